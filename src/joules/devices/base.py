@@ -1,0 +1,227 @@
+"""The device interfaces: what every GPU and CPU backend provides.
+
+Backends (NVML, amdsmi, Linux powercap RAPL, simulated hardware) implement these and
+contain hardware access only; measurement logic lives in :mod:`joules.monitoring`.
+Units are SI throughout: seconds, joules, watts, MHz, degrees Celsius.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from joules.clock import Clock, RealClock
+from joules.errors import NotSupportedError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that limits what joules can do on a device, and how to fix it."""
+
+    device: str
+    message: str
+    fix: str = ""
+
+
+class GPU(ABC):
+    """One GPU (or MIG instance) as seen by this process.
+
+    ``index`` is the position among the GPUs visible to this process (the index CUDA and
+    frameworks use); ``physical_index`` is the index the driver uses.
+    """
+
+    index: int
+    physical_index: int
+    name: str
+    uuid: str
+    vendor: str = "unknown"
+
+    # -- energy and power -------------------------------------------------------------------
+    @abstractmethod
+    def has_energy_counter(self) -> bool:
+        """Whether :meth:`energy_j` is available."""
+
+    @abstractmethod
+    def energy_j(self) -> float:
+        """Cumulative energy counter in joules (arbitrary origin). NotSupportedError if none."""
+
+    def energy_counter_period_s(self) -> float | None:
+        """How often the energy counter is updated by the hardware, when known."""
+        return None
+
+    @abstractmethod
+    def power_w(self) -> float:
+        """The most instantaneous power reading the device offers, W."""
+
+    @abstractmethod
+    def average_power_w(self) -> float:
+        """Averaged power reading (a 1 s average on NVIDIA Ampere and newer), W."""
+
+    def power_update_period_s(self) -> float | None:
+        """How often the power reading changes, when known."""
+        return None
+
+    # -- power limit ------------------------------------------------------------------------
+    @abstractmethod
+    def power_limit_w(self) -> float:
+        """Current power limit, W."""
+
+    @abstractmethod
+    def default_power_limit_w(self) -> float:
+        """Default (factory) power limit, W."""
+
+    @abstractmethod
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """(min, max) settable power limit, W."""
+
+    @abstractmethod
+    def set_power_limit_w(self, watts: float) -> None:
+        """Set the power limit. ValueError outside the allowed range."""
+
+    def reset_power_limit(self) -> None:
+        """Restore the default power limit."""
+        self.set_power_limit_w(self.default_power_limit_w())
+
+    # -- clocks -----------------------------------------------------------------------------
+    @abstractmethod
+    def sm_clock_mhz(self) -> float:
+        """Current SM (graphics) clock, MHz."""
+
+    @abstractmethod
+    def memory_clock_mhz(self) -> float:
+        """Current memory clock, MHz."""
+
+    @abstractmethod
+    def supported_sm_clocks_mhz(self) -> list[float]:
+        """SM clocks the device accepts for locking, highest first."""
+
+    @abstractmethod
+    def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
+        """Lock the SM clock to the range [min_mhz, max_mhz]."""
+
+    @abstractmethod
+    def reset_sm_clock(self) -> None:
+        """Undo :meth:`lock_sm_clock`."""
+
+    def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
+        """Lock the memory clock to a range."""
+        raise NotSupportedError(f"GPU {self.index} ({self.name}): memory clock locking")
+
+    def reset_memory_clock(self) -> None:
+        """Undo :meth:`lock_memory_clock`."""
+        raise NotSupportedError(f"GPU {self.index} ({self.name}): memory clock locking")
+
+    # -- misc -------------------------------------------------------------------------------
+    @abstractmethod
+    def temperature_c(self) -> float:
+        """GPU temperature, degrees Celsius."""
+
+    def problems(self) -> list[Problem]:
+        """What limits measurement or control on this GPU, each with its fix."""
+        return []
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready summary of the GPU and what it supports."""
+        info: dict[str, object] = {
+            "index": self.index,
+            "physical_index": self.physical_index,
+            "name": self.name,
+            "uuid": self.uuid,
+            "vendor": self.vendor,
+            "energy_counter": self.has_energy_counter(),
+            "energy_counter_period_s": self.energy_counter_period_s(),
+            "power_update_period_s": self.power_update_period_s(),
+        }
+        for key, fn in (
+            ("power_w", self.power_w),
+            ("power_limit_w", self.power_limit_w),
+            ("default_power_limit_w", self.default_power_limit_w),
+            ("power_limit_range_w", self.power_limit_range_w),
+            ("sm_clock_mhz", self.sm_clock_mhz),
+            ("temperature_c", self.temperature_c),
+        ):
+            try:
+                info[key] = fn()
+            except Exception:  # noqa: BLE001 - a summary reports what it can read
+                info[key] = None
+        return info
+
+
+class WrappingCounter:
+    """Extends a hardware counter that wraps around at ``wrap`` into a monotonic one.
+
+    RAPL energy counters wrap every few minutes at high power. As long as :meth:`update` is
+    called at least once per wrap period (the power sampler does this for CPU zones), the
+    extended value is exact at any window length. Thread-safe.
+
+    Args:
+        wrap: The value at which the raw counter wraps to zero (``max_energy_range_uj``).
+
+    """
+
+    def __init__(self, wrap: int) -> None:
+        if wrap <= 0:
+            raise ValueError(f"counter wrap value must be positive, got {wrap}")
+        self.wrap = wrap
+        self._last: int | None = None
+        self._base = 0
+        self._lock = threading.Lock()
+
+    def update(self, raw: int) -> int:
+        """Feed a raw reading; return the extended (monotonic) value."""
+        with self._lock:
+            if self._last is not None and raw < self._last:
+                self._base += self.wrap
+            self._last = raw
+            return self._base + raw
+
+
+class CPU(ABC):
+    """One CPU package (socket) with its package and, where present, DRAM energy zones."""
+
+    index: int
+    name: str
+    vendor: str = "unknown"
+
+    @abstractmethod
+    def package_energy_j(self) -> float:
+        """Cumulative package energy, J, wrap-corrected (monotonic)."""
+
+    @abstractmethod
+    def has_dram(self) -> bool:
+        """Whether :meth:`dram_energy_j` is available."""
+
+    @abstractmethod
+    def dram_energy_j(self) -> float:
+        """Cumulative DRAM energy, J, wrap-corrected. NotSupportedError if none."""
+
+    def max_read_interval_s(self) -> float:
+        """How often the counters must be read for wraps to be caught (shortest wrap time)."""
+        return 60.0
+
+    def problems(self) -> list[Problem]:
+        """What limits measurement on this package, each with its fix."""
+        return []
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready summary of the package."""
+        return {
+            "index": self.index,
+            "name": self.name,
+            "vendor": self.vendor,
+            "dram": self.has_dram(),
+            "max_read_interval_s": self.max_read_interval_s(),
+        }
+
+
+@dataclass
+class DeviceSet:
+    """The devices a process can use, the clock they run on, and what went wrong finding them."""
+
+    gpus: list[GPU] = field(default_factory=list)
+    cpus: list[CPU] = field(default_factory=list)
+    clock: Clock = field(default_factory=RealClock)
+    problems: list[Problem] = field(default_factory=list)
+    backend: str = "none"
+    simulator: object | None = None

@@ -1,0 +1,117 @@
+"""Simulated hardware: GPUs and CPU packages with realistic sensors, on a clock of choice.
+
+Select it with ``--sim SPEC`` on any command or ``JOULES_SIM=SPEC``. A SPEC is a
+comma-separated list of items ``MODEL`` or ``MODELxN``: GPU models (``P100``, ``V100``,
+``A40``, ``A100``, ``H100``, ``H200``), CPU models (``XEON8480``, ``XEON6248``,
+``EPYC7763``) or ``nocpu``. Without a CPU item, one ``XEON8480`` package is added.
+Examples: ``A100``, ``H100x4``, ``V100,A40``, ``A100x2,EPYC7763x2``, ``H200,nocpu``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from joules.clock import Clock, RealClock, VirtualClock
+from joules.devices.base import DeviceSet
+from joules.devices.sim.catalog import (
+    CPU_MODELS,
+    DEFAULT_CPU,
+    GPU_MODELS,
+    CPUModel,
+    GPUModel,
+    cpu_model,
+    gpu_model,
+)
+from joules.devices.sim.cpu import SimCPU
+from joules.devices.sim.gpu import SimGPU
+from joules.devices.sim.workload import Constant, Idle, Periodic, Trace, Workload
+from joules.errors import InvalidSpecError
+
+__all__ = [
+    "CPU_MODELS", "GPU_MODELS", "CPUModel", "Constant", "GPUModel", "Idle", "Periodic",
+    "SimCPU", "SimGPU", "Simulator", "Trace", "Workload", "parse_spec",
+]
+
+_ITEM = re.compile(r"^([A-Za-z][A-Za-z0-9]*?)(?:[xX](\d+))?$")
+
+
+def parse_spec(spec: str) -> tuple[list[GPUModel], list[CPUModel]]:
+    """Parse a SPEC string into GPU and CPU models. InvalidSpecError names what is wrong."""
+    if not spec or not spec.strip():
+        raise InvalidSpecError("empty simulated-hardware SPEC (example: A100x2)")
+    gpus: list[GPUModel] = []
+    cpus: list[CPUModel] = []
+    nocpu = False
+    for raw in spec.split(","):
+        item = raw.strip()
+        if item.lower() == "nocpu":
+            nocpu = True
+            continue
+        m = _ITEM.match(item)
+        if not m:
+            raise InvalidSpecError(f"bad SPEC item {item!r} (expected MODEL or MODELxN, e.g. A100x2)")
+        key, count = m.group(1).upper(), int(m.group(2) or 1)
+        if count < 1 or count > 64:
+            raise InvalidSpecError(f"bad count in SPEC item {item!r} (1 to 64)")
+        if key in GPU_MODELS:
+            gpus.extend([gpu_model(key)] * count)
+        elif key in CPU_MODELS:
+            cpus.extend([cpu_model(key)] * count)
+        else:
+            known = ", ".join([*GPU_MODELS, *CPU_MODELS])
+            raise InvalidSpecError(f"unknown model {m.group(1)!r} in SPEC (known: {known}, nocpu)")
+    if nocpu and cpus:
+        raise InvalidSpecError("SPEC names CPU models and 'nocpu' at once")
+    if not cpus and not nocpu:
+        cpus.append(cpu_model(DEFAULT_CPU))
+    return gpus, cpus
+
+
+@dataclass
+class Simulator:
+    """A set of simulated devices sharing one clock.
+
+    Args:
+        spec: Hardware SPEC (see module docs).
+        clock: Clock to run on; a new :class:`VirtualClock` by default. Use a
+            :class:`RealClock` to measure real programs on simulated hardware.
+
+    """
+
+    spec: str
+    clock: Clock = field(default_factory=VirtualClock)
+    gpus: list[SimGPU] = field(init=False)
+    cpus: list[SimCPU] = field(init=False)
+
+    def __post_init__(self) -> None:
+        gpu_models, cpu_models = parse_spec(self.spec)
+        self.gpus = [SimGPU(m, self.clock, index=i) for i, m in enumerate(gpu_models)]
+        self.cpus = [SimCPU(m, self.clock, index=i) for i, m in enumerate(cpu_models)]
+
+    @classmethod
+    def realtime(cls, spec: str) -> Simulator:
+        """Simulated devices on the real clock (for measuring real programs)."""
+        return cls(spec, clock=RealClock())
+
+    def set_workload(self, workload: Workload, gpus: bool = True, cpus: bool = True) -> None:
+        """Run ``workload`` on every simulated device from now on."""
+        for d in (self.gpus if gpus else []) + (self.cpus if cpus else []):  # type: ignore[operator]
+            d.set_workload(workload)
+
+    def advance(self, seconds: float) -> None:
+        """Advance a virtual clock (TypeError on the real clock)."""
+        if not isinstance(self.clock, VirtualClock):
+            raise TypeError("only a simulator on a VirtualClock can be advanced by hand")
+        self.clock.advance(seconds)
+
+    def devices(self) -> DeviceSet:
+        """The simulated devices as a :class:`DeviceSet`."""
+        return DeviceSet(
+            gpus=list(self.gpus), cpus=list(self.cpus), clock=self.clock,
+            backend=f"sim:{self.spec}", simulator=self,
+        )
+
+    def true_gpu_energy_j(self) -> dict[int, float]:
+        """Exact energy of each GPU since creation."""
+        return {g.index: g.true_energy_j() for g in self.gpus}

@@ -1,0 +1,289 @@
+"""Simulated GPU: a physical model with realistic sensors and exact ground truth."""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from dataclasses import dataclass
+
+from joules.clock import Clock
+from joules.devices.base import GPU, Problem
+from joules.devices.sim.catalog import GPUModel
+from joules.devices.sim.workload import Constant, Workload
+from joules.errors import DevicePermissionError, NotSupportedError
+
+# Dynamic power grows roughly with the cube of the clock (frequency times voltage squared).
+_CLOCK_EXPONENT = 3.0
+
+
+@dataclass
+class _Epoch:
+    """A span of time with one configuration; energy inside it is an exact integral."""
+
+    t_start: float
+    e_start: float
+    limit_w: float
+    sm_cap_mhz: float
+    workload: Workload
+    workload_t0: float
+
+
+class SimGPU(GPU):
+    """A simulated GPU that draws power from a workload model.
+
+    Power at utilization ``u`` is ``idle + u * (peak - idle) * (f / f_max) ** 3``, capped by
+    the power limit; the clock ``f`` is the locked maximum, or the highest clock that fits
+    under the power limit. Sensors have the artifacts of the real ones: the energy counter
+    is updated every ``counter_period_s`` (at a per-GPU phase) in 1 mJ steps; the instant
+    power reading is updated every ``power_period_s`` and averages only the last
+    ``sample_fraction`` of each period; the averaged reading covers ``averaged_power_s``.
+
+    Ground truth (:meth:`true_energy_j`, :meth:`true_power_w`) is exact.
+
+    Args:
+        model: The GPU model.
+        clock: The clock the GPU runs on (a :class:`~joules.clock.VirtualClock` in tests).
+        index: Index among visible GPUs.
+        workload: Initial workload (default: idle).
+        counter_offset_j: Value of the energy counter at creation (real counters do not
+            start at zero).
+        allow_control: When false, changing power limit or clocks raises a permission error,
+            as for a non-root user.
+
+    """
+
+    vendor = "nvidia"
+
+    def __init__(
+        self,
+        model: GPUModel,
+        clock: Clock,
+        index: int = 0,
+        workload: Workload | None = None,
+        counter_offset_j: float | None = None,
+        allow_control: bool = True,
+    ) -> None:
+        self.model = model
+        self.clock = clock
+        self.index = index
+        self.physical_index = index
+        self.name = model.name
+        self.uuid = f"GPU-5e1a7ed0-{index:04d}-4000-8000-{zlib.crc32(model.name.encode()):012d}"
+        self.allow_control = allow_control
+        self._lock = threading.RLock()
+        self._t_created = clock.now()
+        self._phase = ((index * 0.37) % 1.0) * model.counter_period_s
+        self._offset_j = 1000.0 * (index + 1) if counter_offset_j is None else counter_offset_j
+        self._sm_lock: tuple[float, float] | None = None
+        self._mem_lock: tuple[float, float] | None = None
+        self._epochs = [
+            _Epoch(
+                self._t_created, 0.0, model.default_limit_w, model.max_sm_mhz,
+                workload or Constant(0.0), self._t_created,
+            )
+        ]
+
+    # -- physics ----------------------------------------------------------------------------
+    def _power_of(self, epoch: _Epoch, u: float) -> float:
+        m = self.model
+        scale = (epoch.sm_cap_mhz / m.max_sm_mhz) ** _CLOCK_EXPONENT
+        return min(m.idle_w + u * (m.peak_w - m.idle_w) * scale, max(epoch.limit_w, m.idle_w))
+
+    def _integral(self, epoch: _Epoch, t0: float, t1: float) -> float:
+        if t1 <= t0:
+            return 0.0
+        w0 = epoch.workload_t0
+        return sum(
+            (b - a) * self._power_of(epoch, u) for a, b, u in epoch.workload.pieces(t0 - w0, t1 - w0)
+        )
+
+    def _epoch_at(self, t: float) -> _Epoch:
+        for epoch in reversed(self._epochs):
+            if epoch.t_start <= t:
+                return epoch
+        return self._epochs[0]
+
+    def _energy_at(self, t: float) -> float:
+        """True energy since creation at time ``t`` (exact)."""
+        epoch = self._epoch_at(t)
+        if t >= epoch.t_start:
+            return epoch.e_start + self._integral(epoch, epoch.t_start, t)
+        return epoch.e_start - self._integral(epoch, t, epoch.t_start)
+
+    def _new_epoch(self, **changes: object) -> None:
+        now = self.clock.now()
+        cur = self._epochs[-1]
+        e_now = self._energy_at(now)
+        fields = {
+            "limit_w": cur.limit_w,
+            "sm_cap_mhz": cur.sm_cap_mhz,
+            "workload": cur.workload,
+            "workload_t0": cur.workload_t0,
+        }
+        fields.update(changes)
+        self._epochs.append(_Epoch(t_start=now, e_start=e_now, **fields))  # type: ignore[arg-type]
+        # Sensors look back at most ~1 s; keep a little more history than that.
+        horizon = now - 5.0
+        while len(self._epochs) > 2 and self._epochs[1].t_start < horizon:
+            self._epochs.pop(0)
+
+    def _last_tick(self, period: float, phase: float = 0.0) -> float:
+        now = self.clock.now()
+        base = self._t_created + phase
+        return base + math.floor((now - base) / period) * period
+
+    # -- simulation control -----------------------------------------------------------------
+    def set_workload(self, workload: Workload) -> None:
+        """Run ``workload`` from now on (its time 0 is now)."""
+        with self._lock:
+            self._new_epoch(workload=workload, workload_t0=self.clock.now())
+
+    def true_energy_j(self) -> float:
+        """Exact energy drawn since creation, J."""
+        with self._lock:
+            return self._energy_at(self.clock.now())
+
+    def true_power_w(self) -> float:
+        """Exact power now, W."""
+        with self._lock:
+            epoch = self._epochs[-1]
+            now = self.clock.now()
+            u = epoch.workload.utilization(now - epoch.workload_t0)
+            return self._power_of(epoch, u)
+
+    def relative_speed(self, utilization: float = 1.0) -> float:
+        """Throughput relative to an unconstrained GPU at this utilization (clock ratio)."""
+        with self._lock:
+            m = self.model
+            epoch = self._epochs[-1]
+            f = epoch.sm_cap_mhz
+            if utilization > 0:
+                room = max(epoch.limit_w - m.idle_w, 1e-9) / (utilization * (m.peak_w - m.idle_w))
+                f = min(f, m.max_sm_mhz * room ** (1.0 / _CLOCK_EXPONENT))
+            return f / m.max_sm_mhz
+
+    # -- GPU interface: energy and power ----------------------------------------------------
+    def has_energy_counter(self) -> bool:
+        return self.model.energy_counter
+
+    def energy_j(self) -> float:
+        if not self.model.energy_counter:
+            raise NotSupportedError(f"GPU {self.index} ({self.name}) has no energy counter")
+        with self._lock:
+            t = self._last_tick(self.model.counter_period_s, self._phase)
+            e = self._energy_at(t) if t >= self._t_created else 0.0
+            return self._offset_j + math.floor(e * 1000.0) / 1000.0
+
+    def energy_counter_period_s(self) -> float | None:
+        return self.model.counter_period_s if self.model.energy_counter else None
+
+    def power_update_period_s(self) -> float | None:
+        return self.model.power_period_s
+
+    def power_w(self) -> float:
+        with self._lock:
+            m = self.model
+            t = self._last_tick(m.power_period_s)
+            span = m.sample_fraction * m.power_period_s
+            p = (self._energy_at(t) - self._energy_at(t - span)) / span
+            return math.floor(p * 1000.0) / 1000.0
+
+    def average_power_w(self) -> float:
+        m = self.model
+        if m.averaged_power_s is None:
+            return self.power_w()
+        with self._lock:
+            t = self._last_tick(m.power_period_s)
+            span = m.averaged_power_s
+            p = (self._energy_at(t) - self._energy_at(t - span)) / span
+            return math.floor(p * 1000.0) / 1000.0
+
+    # -- power limit ------------------------------------------------------------------------
+    def power_limit_w(self) -> float:
+        return self._epochs[-1].limit_w
+
+    def default_power_limit_w(self) -> float:
+        return self.model.default_limit_w
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return (self.model.min_limit_w, self.model.max_limit_w)
+
+    def _check_control(self, what: str) -> None:
+        if not self.allow_control:
+            raise DevicePermissionError(
+                f"GPU {self.index}: no permission to change {what}; run as root or grant "
+                "the SYS_ADMIN capability"
+            )
+
+    def set_power_limit_w(self, watts: float) -> None:
+        lo, hi = self.power_limit_range_w()
+        if not lo <= watts <= hi:
+            raise ValueError(
+                f"GPU {self.index} ({self.name}): power limit {watts:g} W is outside the "
+                f"allowed range [{lo:g}, {hi:g}] W"
+            )
+        self._check_control("the power limit")
+        with self._lock:
+            self._new_epoch(limit_w=float(watts))
+
+    # -- clocks -----------------------------------------------------------------------------
+    def sm_clock_mhz(self) -> float:
+        with self._lock:
+            epoch = self._epochs[-1]
+            u = epoch.workload.utilization(self.clock.now() - epoch.workload_t0)
+            if u == 0:
+                return self.model.min_sm_mhz if self._sm_lock is None else self._sm_lock[0]
+            return round(self.model.max_sm_mhz * self.relative_speed(u))
+
+    def memory_clock_mhz(self) -> float:
+        return self.model.mem_mhz if self._mem_lock is None else self._mem_lock[1]
+
+    def supported_sm_clocks_mhz(self) -> list[float]:
+        m = self.model
+        n = int((m.max_sm_mhz - m.min_sm_mhz) // m.sm_step_mhz)
+        return [m.max_sm_mhz - i * m.sm_step_mhz for i in range(n + 1)]
+
+    def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
+        m = self.model
+        if not (m.min_sm_mhz <= min_mhz <= max_mhz <= m.max_sm_mhz):
+            raise ValueError(
+                f"GPU {self.index} ({self.name}): SM clock range [{min_mhz:g}, {max_mhz:g}] "
+                f"MHz is outside [{m.min_sm_mhz:g}, {m.max_sm_mhz:g}] MHz"
+            )
+        self._check_control("SM clocks")
+        with self._lock:
+            self._sm_lock = (float(min_mhz), float(max_mhz))
+            self._new_epoch(sm_cap_mhz=float(max_mhz))
+
+    def reset_sm_clock(self) -> None:
+        self._check_control("SM clocks")
+        with self._lock:
+            self._sm_lock = None
+            self._new_epoch(sm_cap_mhz=self.model.max_sm_mhz)
+
+    def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
+        self._check_control("memory clocks")
+        self._mem_lock = (float(min_mhz), float(max_mhz))
+
+    def reset_memory_clock(self) -> None:
+        self._check_control("memory clocks")
+        self._mem_lock = None
+
+    def sm_clock_locked(self) -> tuple[float, float] | None:
+        """The locked SM clock range, or ``None`` (for checking restore behaviour)."""
+        return self._sm_lock
+
+    def temperature_c(self) -> float:
+        return round(28.0 + 0.09 * self.true_power_w(), 1)
+
+    def problems(self) -> list[Problem]:
+        if not self.model.energy_counter:
+            return [
+                Problem(
+                    f"GPU {self.index}",
+                    f"{self.name} has no energy counter; energy comes from power sampling",
+                    "use a Volta or newer GPU for counter-based energy",
+                )
+            ]
+        return []

@@ -1,0 +1,162 @@
+"""The result of a measurement window, with the provenance of every number."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Source(str, Enum):
+    """How a device's energy for a window was obtained."""
+
+    COUNTER = "counter"
+    """Difference of the hardware energy counter, edges corrected with recent power."""
+    SAMPLED = "sampled"
+    """Integral of power samples taken by the background sampler."""
+    ESTIMATE = "estimate"
+    """A power reading times the elapsed time (no counter change and too few samples)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceEnergy:
+    """Energy of one device (GPU, CPU package or DRAM zone) over a window.
+
+    Attributes:
+        energy_j: Best estimate of the energy, J.
+        source: How it was obtained.
+        uncertainty_j: Bound on the absolute error, J (from counter resolution and update
+            period, or from the spacing of power samples).
+        corrected: True when the window was shorter than the counter's update period, so
+            the counter alone could not resolve it and power samples were used.
+        device_id: Stable identity of the device (GPU UUID, ``cpu<N>``), used when combining
+            measurements across processes.
+
+    """
+
+    energy_j: float
+    source: Source
+    uncertainty_j: float = 0.0
+    corrected: bool = False
+    device_id: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form."""
+        return {
+            "energy_j": self.energy_j,
+            "source": self.source.value,
+            "uncertainty_j": self.uncertainty_j,
+            "corrected": self.corrected,
+            "device_id": self.device_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> DeviceEnergy:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            energy_j=float(d["energy_j"]),  # type: ignore[arg-type]
+            source=Source(d["source"]),
+            uncertainty_j=float(d.get("uncertainty_j", 0.0)),  # type: ignore[arg-type]
+            corrected=bool(d.get("corrected", False)),
+            device_id=str(d.get("device_id", "")),
+        )
+
+
+def _totals(zones: dict[int, DeviceEnergy]) -> dict[int, float]:
+    return {k: v.energy_j for k, v in zones.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Time and energy of one window.
+
+    Attributes:
+        name: Window name.
+        start_time: Clock time at which the window began, s.
+        elapsed_s: Duration, s.
+        gpu: Per-GPU energy, keyed by GPU index (among visible GPUs).
+        cpu: Per-CPU-package energy, keyed by package index (empty when not measured).
+        dram: Per-package DRAM energy, keyed by package index (empty when not measured).
+        host: Host name, used when combining measurements across processes.
+
+    """
+
+    name: str
+    start_time: float
+    elapsed_s: float
+    gpu: dict[int, DeviceEnergy] = field(default_factory=dict)
+    cpu: dict[int, DeviceEnergy] = field(default_factory=dict)
+    dram: dict[int, DeviceEnergy] = field(default_factory=dict)
+    host: str = ""
+
+    @property
+    def gpu_energy_j(self) -> dict[int, float]:
+        """Energy per GPU, J."""
+        return _totals(self.gpu)
+
+    @property
+    def cpu_energy_j(self) -> dict[int, float]:
+        """Energy per CPU package, J."""
+        return _totals(self.cpu)
+
+    @property
+    def dram_energy_j(self) -> dict[int, float]:
+        """DRAM energy per CPU package, J."""
+        return _totals(self.dram)
+
+    @property
+    def total_energy_j(self) -> float:
+        """Energy of every measured device together, J."""
+        return sum(d.energy_j for zones in (self.gpu, self.cpu, self.dram) for d in zones.values())
+
+    @property
+    def uncertainty_j(self) -> float:
+        """Bound on the absolute error of :attr:`total_energy_j`, J."""
+        return sum(
+            d.uncertainty_j for zones in (self.gpu, self.cpu, self.dram) for d in zones.values()
+        )
+
+    @property
+    def average_power_w(self) -> float:
+        """Average power of all measured devices together, W (0 for an empty window)."""
+        return self.total_energy_j / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """How each device's number was obtained, keyed ``gpu0``, ``cpu0``, ``dram0``..."""
+        out: dict[str, str] = {}
+        for prefix, zones in (("gpu", self.gpu), ("cpu", self.cpu), ("dram", self.dram)):
+            for k, d in zones.items():
+                out[f"{prefix}{k}"] = d.source.value + ("+corrected" if d.corrected else "")
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form (keys are strings, as JSON requires)."""
+        return {
+            "name": self.name,
+            "start_time": self.start_time,
+            "elapsed_s": self.elapsed_s,
+            "host": self.host,
+            "gpu": {str(k): v.to_dict() for k, v in self.gpu.items()},
+            "cpu": {str(k): v.to_dict() for k, v in self.cpu.items()},
+            "dram": {str(k): v.to_dict() for k, v in self.dram.items()},
+            "total_energy_j": self.total_energy_j,
+            "uncertainty_j": self.uncertainty_j,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Measurement:
+        """Inverse of :meth:`to_dict`."""
+
+        def zones(key: str) -> dict[int, DeviceEnergy]:
+            raw = d.get(key) or {}
+            return {int(k): DeviceEnergy.from_dict(v) for k, v in raw.items()}  # type: ignore[union-attr]
+
+        return cls(
+            name=str(d["name"]),
+            start_time=float(d["start_time"]),  # type: ignore[arg-type]
+            elapsed_s=float(d["elapsed_s"]),  # type: ignore[arg-type]
+            gpu=zones("gpu"),
+            cpu=zones("cpu"),
+            dram=zones("dram"),
+            host=str(d.get("host", "")),
+        )
