@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class Source(str, Enum):
+class Source(StrEnum):
     """How a device's energy for a window was obtained."""
 
     COUNTER = "counter"
