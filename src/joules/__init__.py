@@ -1,0 +1,35 @@
+"""joules: measure and optimize the energy of deep-learning work.
+
+Measure any span of code::
+
+    from joules import EnergyMonitor
+
+    monitor = EnergyMonitor()
+    with monitor.window("epoch") as w:
+        train_one_epoch()
+    print(w.measurement.total_energy_j)
+"""
+
+from joules.clock import Clock, RealClock, VirtualClock
+from joules.devices.base import CPU, GPU, DeviceSet, Problem
+from joules.devices.discovery import discover
+from joules.errors import (
+    DeviceNotFoundError,
+    DevicePermissionError,
+    InvalidSpecError,
+    JoulesError,
+    NotSupportedError,
+    WindowError,
+)
+from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
+from joules.monitoring.monitor import EnergyMonitor, WindowHandle
+from joules.monitoring.sampler import PowerSampler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPU", "GPU", "Clock", "DeviceEnergy", "DeviceNotFoundError", "DevicePermissionError",
+    "DeviceSet", "EnergyMonitor", "InvalidSpecError", "JoulesError", "Measurement",
+    "NotSupportedError", "PowerSampler", "Problem", "RealClock", "Source", "VirtualClock",
+    "WindowError", "WindowHandle", "discover",
+]

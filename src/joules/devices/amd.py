@@ -1,0 +1,545 @@
+"""AMD GPUs through the ``amdsmi`` Python package (ROCm's AMD SMI library).
+
+``amdsmi`` is imported lazily with :func:`importlib.import_module`, so tests can put a fake in
+``sys.modules["amdsmi"]`` (see :mod:`joules.testing.fake_amdsmi`).
+
+Units as amdsmi reports them and as converted here:
+
+* ``amdsmi_get_energy_count``: ``energy_accumulator`` (``power`` before ROCm 6.1) ticks times
+  ``counter_resolution`` µJ -> J.
+* ``amdsmi_get_power_info``: ``current_socket_power`` (MI300 and newer) and
+  ``average_socket_power`` (MI200 and older, Navi), W; unsupported fields read ``"N/A"``.
+* ``amdsmi_get_power_cap_info``: ``power_cap``, ``default_power_cap``, ``min_power_cap``,
+  ``max_power_cap`` in µW -> W (values below 10,000 are taken to be W already: no GPU has a
+  cap under 10 mW or over 10 kW). ``amdsmi_set_power_cap`` takes µW.
+* ``amdsmi_get_clock_info``: ``clk`` (``cur_clk`` in older versions), ``min_clk``,
+  ``max_clk`` in MHz; ``amdsmi_get_clk_freq``: supported frequencies in Hz.
+* ``amdsmi_get_temp_metric``: degrees Celsius (millidegrees are converted if seen).
+
+**Broken energy counters.** Some amdsmi/driver combinations return an energy counter that
+never advances within a process, or that jumps by impossible amounts (ROCm/amdsmi issues 22
+and 38; the secondary die of an MI250X reads zero). :func:`check_energy_counters` reads each
+counter twice, ``counter_check_s`` apart, and compares the implied power with the power
+reading; a GPU that fails reports ``has_energy_counter() == False`` and a
+:class:`~joules.devices.base.Problem`, and its energy comes from power sampling.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from joules.clock import Clock, RealClock
+from joules.devices.base import GPU, Problem
+from joules.errors import DevicePermissionError, JoulesError, NotSupportedError
+
+#: amdsmi status codes (``amdsmi_status_t``) that map to joules errors.
+AMDSMI_STATUS_NOT_SUPPORTED = 2
+AMDSMI_STATUS_NO_PERM = 10
+
+#: Default time between the two readings of the energy-counter check, s.
+DEFAULT_COUNTER_CHECK_S = 0.2
+
+_INVALID_UINTS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def _number(value: Any) -> float | None:
+    """A reading as a float, or None for ``"N/A"``, the UINT_MAX markers and negatives."""
+    if value is None or isinstance(value, (str, bytes)) or isinstance(value, bool):
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    if v < 0 or int(v) in _INVALID_UINTS:
+        return None
+    return v
+
+
+def _cap_w(value: Any) -> float | None:
+    """A power-cap value in W (amdsmi reports µW; tolerate versions that report W)."""
+    v = _number(value)
+    if v is None:
+        return None
+    return v / 1e6 if v >= 10_000 else v
+
+
+def load_amdsmi() -> ModuleType:
+    """Import the ``amdsmi`` package (whatever ``sys.modules`` holds, fakes included)."""
+    return importlib.import_module("amdsmi")
+
+
+class AMDGPU(GPU):
+    """One AMD GPU (or GCD: an MI250X shows as two) read and controlled through amdsmi.
+
+    Args:
+        smi: The ``amdsmi`` module (already initialized with ``amdsmi_init``).
+        handle: The processor handle from ``amdsmi_get_processor_handles``.
+        index: Index among the GPUs visible to this process (what HIP calls device N).
+        physical_index: Position in ``amdsmi_get_processor_handles`` (default: ``index``).
+        clock: Clock for the energy-counter check (a virtual clock in tests).
+        counter_check_s: Interval of the energy-counter check done at construction;
+            ``None`` skips it (:func:`discover_amd` checks all GPUs at once instead).
+
+    """
+
+    vendor = "amd"
+
+    def __init__(
+        self,
+        smi: ModuleType,
+        handle: Any,
+        index: int,
+        physical_index: int | None = None,
+        *,
+        clock: Clock | None = None,
+        counter_check_s: float | None = DEFAULT_COUNTER_CHECK_S,
+    ) -> None:
+        self._smi = smi
+        self._handle = handle
+        self._exc: type[BaseException] = getattr(smi, "AmdSmiException", Exception)
+        self.index = index
+        self.physical_index = index if physical_index is None else physical_index
+        self.clock = clock or RealClock()
+        self._problems: list[Problem] = []
+        self.name = "AMD GPU"
+        try:
+            asic = self._call("amdsmi_get_gpu_asic_info", "the ASIC name")
+            self.name = str(asic["market_name"]) or self.name
+        except (JoulesError, KeyError, TypeError):
+            pass
+        try:
+            self.uuid = str(self._call("amdsmi_get_gpu_device_uuid", "the UUID"))
+        except JoulesError:
+            self.uuid = f"AMD-GPU-{self.physical_index}"
+        self.counter_check: dict[str, object] | None = None
+        self._counter_ok = True
+        try:
+            self._energy_raw_j()
+        except JoulesError as e:
+            self._counter_ok = False
+            self._problems.append(
+                Problem(
+                    f"GPU {index}",
+                    f"{self.name}: no energy counter ({e}); energy comes from power sampling",
+                    "energy counters are not available in virtual-machine guests; use bare metal "
+                    "and a recent ROCm",
+                )
+            )
+        if self._counter_ok and counter_check_s is not None:
+            check_energy_counters([self], self.clock, counter_check_s)
+
+    # -- amdsmi calls -----------------------------------------------------------------------
+    def _call(self, fn_name: str, what: str, *args: Any) -> Any:
+        fn = getattr(self._smi, fn_name, None)
+        if fn is None:
+            raise NotSupportedError(f"GPU {self.index}: this amdsmi version has no {fn_name} ({what})")
+        try:
+            return fn(self._handle, *args)
+        except self._exc as e:
+            raise self._translate(e, fn_name, what) from e
+
+    def _translate(self, e: BaseException, fn_name: str, what: str) -> JoulesError:
+        code = getattr(e, "err_code", None)
+        name = getattr(self, "name", "AMD GPU")
+        if code == AMDSMI_STATUS_NO_PERM or isinstance(e, PermissionError):
+            return DevicePermissionError(
+                f"GPU {self.index} ({name}): no permission for {what} ({fn_name}); changing AMD GPU "
+                "power caps and clocks needs root: run with sudo"
+            )
+        if code == AMDSMI_STATUS_NOT_SUPPORTED:
+            return NotSupportedError(f"GPU {self.index} ({name}): {what} is not supported ({fn_name})")
+        return JoulesError(f"GPU {self.index} ({name}): {fn_name} failed: {e}")
+
+    def _enum(self, enum_name: str, *members: str) -> Any:
+        enum = getattr(self._smi, enum_name, None)
+        for member in members:
+            value = getattr(enum, member, None)
+            if value is not None:
+                return value
+        raise NotSupportedError(f"GPU {self.index}: this amdsmi version has no {enum_name}.{members[0]}")
+
+    # -- energy and power -------------------------------------------------------------------
+    def _energy_raw_j(self) -> float:
+        info = self._call("amdsmi_get_energy_count", "the energy counter")
+        ticks = info.get("energy_accumulator", info.get("power"))
+        resolution = _number(info.get("counter_resolution"))
+        if _number(ticks) is None or resolution is None:
+            raise NotSupportedError(f"GPU {self.index} ({self.name}): energy counter reads {info!r}")
+        return float(ticks) * resolution * 1e-6
+
+    def has_energy_counter(self) -> bool:
+        return self._counter_ok
+
+    def energy_j(self) -> float:
+        if not self._counter_ok:
+            raise NotSupportedError(
+                f"GPU {self.index} ({self.name}): energy counter unavailable or unreliable; "
+                "use power sampling"
+            )
+        return self._energy_raw_j()
+
+    def mark_counter_broken(self, reason: str) -> None:
+        """Stop using the energy counter (energy will come from power sampling)."""
+        if not self._counter_ok:
+            return
+        self._counter_ok = False
+        self._problems.append(
+            Problem(
+                f"GPU {self.index}",
+                f"{self.name}: the energy counter is unreliable ({reason}); energy comes from "
+                "power sampling",
+                "update ROCm (amdsmi) and the amdgpu driver; stale or jumping counters are known "
+                "amdsmi/driver issues (ROCm/amdsmi issues 22 and 38), and a reboot has cleared them "
+                "on some MI100 systems",
+            )
+        )
+
+    def _power_field(self, keys: Sequence[str]) -> float:
+        info = self._call("amdsmi_get_power_info", "the power reading")
+        for key in keys:
+            v = _number(info.get(key))
+            if v is not None:
+                return v
+        raise NotSupportedError(f"GPU {self.index} ({self.name}): no power reading ({info!r})")
+
+    def power_w(self) -> float:
+        return self._power_field(("current_socket_power", "average_socket_power", "socket_power"))
+
+    def average_power_w(self) -> float:
+        return self._power_field(("average_socket_power", "current_socket_power", "socket_power"))
+
+    def _power_or_none(self) -> float | None:
+        try:
+            return self.power_w()
+        except JoulesError:
+            return None
+
+    # -- power limit ------------------------------------------------------------------------
+    def _cap_info(self) -> dict[str, Any]:
+        return dict(self._call("amdsmi_get_power_cap_info", "the power cap"))
+
+    def _cap(self, *keys: str) -> float:
+        info = self._cap_info()
+        for key in keys:
+            v = _cap_w(info.get(key))
+            if v is not None:
+                return v
+        raise NotSupportedError(f"GPU {self.index} ({self.name}): no {keys[0]} in {info!r}")
+
+    def power_limit_w(self) -> float:
+        return self._cap("power_cap")
+
+    def default_power_limit_w(self) -> float:
+        return self._cap("default_power_cap", "power_cap_default")
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return (self._cap("min_power_cap"), self._cap("max_power_cap"))
+
+    def set_power_limit_w(self, watts: float) -> None:
+        lo, hi = self.power_limit_range_w()
+        if not lo <= watts <= hi:
+            raise ValueError(
+                f"GPU {self.index} ({self.name}): power limit {watts:g} W is outside the "
+                f"allowed range [{lo:g}, {hi:g}] W"
+            )
+        self._call("amdsmi_set_power_cap", "setting the power cap", 0, int(round(watts * 1e6)))
+
+    # -- clocks -----------------------------------------------------------------------------
+    def _clock_info(self, *kind: str) -> dict[str, Any]:
+        return dict(self._call("amdsmi_get_clock_info", "clock readings", self._enum("AmdSmiClkType", *kind)))
+
+    def _clock_mhz(self, *kind: str) -> float:
+        info = self._clock_info(*kind)
+        v = _number(info.get("clk", info.get("cur_clk")))
+        if v is None:
+            raise NotSupportedError(f"GPU {self.index} ({self.name}): no {kind[0]} clock reading")
+        return v
+
+    def sm_clock_mhz(self) -> float:
+        return self._clock_mhz("GFX", "SYS")
+
+    def memory_clock_mhz(self) -> float:
+        return self._clock_mhz("MEM")
+
+    def supported_sm_clocks_mhz(self) -> list[float]:
+        clocks: set[float] = set()
+        try:
+            gfx = self._enum("AmdSmiClkType", "GFX", "SYS")
+            freq = self._call("amdsmi_get_clk_freq", "supported clocks", gfx)
+            clocks.update(v / 1e6 for v in (_number(f) for f in freq.get("frequency", [])) if v)
+        except JoulesError:
+            pass
+        try:
+            # Some amdsmi versions drop the last frequency from amdsmi_get_clk_freq.
+            info = self._clock_info("GFX", "SYS")
+            clocks.update(v for v in (_number(info.get("min_clk")), _number(info.get("max_clk"))) if v)
+        except JoulesError:
+            pass
+        if not clocks:
+            raise NotSupportedError(f"GPU {self.index} ({self.name}): supported clocks unknown")
+        return sorted(clocks, reverse=True)
+
+    def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
+        supported = self.supported_sm_clocks_mhz()
+        lo, hi = min(supported), max(supported)
+        if not lo <= min_mhz <= max_mhz <= hi:
+            raise ValueError(
+                f"GPU {self.index} ({self.name}): SM clock range [{min_mhz:g}, {max_mhz:g}] MHz is "
+                f"outside [{lo:g}, {hi:g}] MHz"
+            )
+        self._call(
+            "amdsmi_set_gpu_clk_range", "locking clocks", int(min_mhz), int(max_mhz),
+            self._enum("AmdSmiClkType", "GFX", "SYS"),
+        )
+
+    def reset_sm_clock(self) -> None:
+        self._call("amdsmi_set_gpu_perf_level", "resetting clocks", self._enum("AmdSmiDevPerfLevel", "AUTO"))
+
+    # -- misc -------------------------------------------------------------------------------
+    def temperature_c(self) -> float:
+        metric = self._enum("AmdSmiTemperatureMetric", "CURRENT")
+        last: JoulesError | None = None
+        for sensor in (("EDGE",), ("HOTSPOT", "JUNCTION")):  # MI300 has no edge sensor
+            try:
+                v = _number(self._call("amdsmi_get_temp_metric", "temperature",
+                                       self._enum("AmdSmiTemperatureType", *sensor), metric))
+            except JoulesError as e:
+                last = e
+                continue
+            if v is not None and v > 0:
+                return v / 1000.0 if v > 1000 else v
+        raise last or NotSupportedError(f"GPU {self.index} ({self.name}): no temperature reading")
+
+    def problems(self) -> list[Problem]:
+        return list(self._problems)
+
+    def describe(self) -> dict[str, object]:
+        info = super().describe()
+        info["energy_counter_check"] = self.counter_check
+        return info
+
+
+def _judge(e0: float, e1: float, dt: float, power_w: float | None, max_cap_w: float | None) -> str | None:
+    """Why two counter readings ``dt`` apart are implausible, or None if they look right."""
+    if dt <= 0:
+        return None
+    de = e1 - e0
+    if de < 0:
+        return f"went backwards by {-de:.3f} J in {dt:.3f} s"
+    if de == 0:
+        during = f" while the GPU drew {power_w:.0f} W" if power_w else ""
+        return f"did not advance in {dt:.3f} s{during}"
+    implied = de / dt
+    ceiling = 5000.0
+    if power_w is not None:
+        ceiling = 4.0 * power_w + 100.0
+    if max_cap_w is not None:
+        ceiling = max(ceiling, 2.0 * max_cap_w) if power_w is not None else 2.0 * max_cap_w
+    if implied > ceiling:
+        reading = f" while the power reading is {power_w:.0f} W" if power_w is not None else ""
+        return f"advanced {de:.1f} J in {dt:.3f} s, i.e. {implied:.0f} W{reading}"
+    if power_w is not None and implied < power_w / 4.0 - 20.0:
+        return (f"advanced {de:.3f} J in {dt:.3f} s, i.e. {implied:.1f} W, while the power reading is "
+                f"{power_w:.0f} W")
+    return None
+
+
+def check_energy_counters(gpus: Sequence[AMDGPU], clock: Clock, interval_s: float = DEFAULT_COUNTER_CHECK_S
+                          ) -> list[Problem]:
+    """Check that each GPU's energy counter advances in line with its power reading.
+
+    All GPUs are read, then ``clock.sleep(interval_s)``, then read again, so the check costs
+    one interval whatever the number of GPUs. GPUs that fail are marked with
+    :meth:`AMDGPU.mark_counter_broken`.
+
+    Returns:
+        The problems added (one per failing GPU).
+
+    """
+    todo = [g for g in gpus if g.has_energy_counter()]
+    if not todo:
+        return []
+    first: list[tuple[float | None, float | None]] = []
+    t0 = clock.now()
+    for g in todo:
+        try:
+            first.append((g._energy_raw_j(), g._power_or_none()))
+        except JoulesError:
+            first.append((None, None))
+    clock.sleep(interval_s)
+    t1 = clock.now()
+    added: list[Problem] = []
+    for g, (e0, p0) in zip(todo, first, strict=True):
+        try:
+            e1: float | None = g._energy_raw_j()
+        except JoulesError as e:
+            e1 = None
+            reason: str | None = f"reading failed: {e}"
+        p1 = g._power_or_none()
+        powers = [p for p in (p0, p1) if p is not None]
+        power = max(powers) if powers else None
+        try:
+            cap: float | None = g.power_limit_range_w()[1]
+        except JoulesError:
+            cap = None
+        if e0 is None:
+            reason = "reading failed"
+        elif e1 is not None:
+            reason = _judge(e0, e1, t1 - t0, power, cap)
+        g.counter_check = {
+            "interval_s": t1 - t0,
+            "energy_delta_j": None if e0 is None or e1 is None else e1 - e0,
+            "power_w": power,
+            "ok": reason is None,
+        }
+        if reason is not None:
+            g.mark_counter_broken(reason)
+            added.append(g.problems()[-1])
+    return added
+
+
+def _normalize_uuid(text: str) -> str:
+    text = text.strip().lower()
+    if text.startswith("gpu-"):
+        text = text[4:]
+    return text.replace("-", "")
+
+
+def _match_uuid(token: str, uuids: Sequence[str], candidates: Sequence[int]) -> int | None:
+    """Position in ``candidates`` of the GPU whose UUID matches ``token`` (equal or suffix)."""
+    want = _normalize_uuid(token)
+    if len(want) < 8 or not _HEX.match(want):
+        return None
+    for pos, physical in enumerate(candidates):
+        have = _normalize_uuid(uuids[physical])
+        if have == want or have.endswith(want):
+            return pos
+    return None
+
+
+def visible_devices(
+    count: int, uuids: Sequence[str], env: Mapping[str, str]
+) -> tuple[list[int], list[Problem]]:
+    """The physical indices of the GPUs this process sees, in the order it numbers them.
+
+    ``ROCR_VISIBLE_DEVICES`` selects among all GPUs; ``HIP_VISIBLE_DEVICES`` (or, when unset,
+    ``CUDA_VISIBLE_DEVICES``, which HIP also honors) selects among those. Entries are indices
+    or UUIDs (``GPU-<hex>``, matched against amdsmi's UUID ignoring case and dashes, also as
+    a suffix). As in the runtimes, an invalid entry hides it and every entry after it; an
+    empty value hides every GPU.
+
+    Args:
+        count: Number of GPUs amdsmi reports.
+        uuids: Their UUIDs, by physical index.
+        env: The environment.
+
+    """
+    order = list(range(count))
+    problems: list[Problem] = []
+    hip_var = "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in env else "CUDA_VISIBLE_DEVICES"
+    for var in ("ROCR_VISIBLE_DEVICES", hip_var):
+        value = env.get(var)
+        if value is None:
+            continue
+        selected: list[int] = []
+        for raw in value.split(",") if value.strip() else []:
+            token = raw.strip()
+            pos: int | None
+            if re.fullmatch(r"\d+", token):
+                pos = int(token) if int(token) < len(order) else None
+            else:
+                pos = _match_uuid(token, uuids, order)
+            if pos is None or order[pos] in selected:
+                problems.append(
+                    Problem(
+                        "AMD",
+                        f"{var}={value}: entry {token!r} matches no (unused) GPU of the {len(order)} "
+                        "available; it and the entries after it are ignored",
+                        f"use indices 0 to {len(order) - 1} or UUIDs from 'amd-smi list'",
+                    )
+                )
+                break
+            selected.append(order[pos])
+        order = selected
+    return order, problems
+
+
+def discover_amd(
+    env: Mapping[str, str] | None = None,
+    *,
+    clock: Clock | None = None,
+    counter_check_s: float | None = DEFAULT_COUNTER_CHECK_S,
+    kfd_path: str = "/dev/kfd",
+) -> tuple[list[GPU], list[Problem]]:
+    """Find the AMD GPUs visible to this process.
+
+    Args:
+        env: Environment to read ``ROCR_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES`` from
+            (default: ``os.environ``).
+        clock: Clock for the energy-counter check (default: the real clock).
+        counter_check_s: Interval of the energy-counter check (one interval in total, all GPUs
+            at once); ``None`` trusts the counters.
+        kfd_path: The ROCm kernel driver's device; when amdsmi is missing, its absence means
+            there is no AMD GPU, and no problem is reported.
+
+    Returns:
+        The GPUs (``index`` = position among visible GPUs) and the problems found.
+
+    """
+    env = os.environ if env is None else env
+    clock = clock or RealClock()
+    try:
+        smi = load_amdsmi()
+    except ImportError:
+        if os.path.exists(kfd_path):
+            return [], [
+                Problem(
+                    "AMD",
+                    f"an AMD GPU driver is present ({kfd_path}) but the amdsmi Python package is not "
+                    "installed",
+                    "pip install amdsmi (the version matching your ROCm), or pip install "
+                    "/opt/rocm/share/amd_smi",
+                )
+            ]
+        return [], []
+    except Exception as e:  # noqa: BLE001 - e.g. OSError loading libamd_smi.so
+        return [], [Problem("AMD", f"amdsmi could not be loaded: {e}",
+                            "check the ROCm installation (libamd_smi.so in /opt/rocm/lib)")]
+    exc: type[BaseException] = getattr(smi, "AmdSmiException", Exception)
+    try:
+        flags = getattr(getattr(smi, "AmdSmiInitFlags", None), "INIT_AMD_GPUS", None)
+        smi.amdsmi_init(flags) if flags is not None else smi.amdsmi_init()
+        handles = list(smi.amdsmi_get_processor_handles())
+    except exc as e:
+        return [], [
+            Problem(
+                "AMD",
+                f"amdsmi could not be initialized: {e}",
+                "check that the amdgpu driver is loaded (lsmod | grep amdgpu) and that this user can "
+                "open /dev/kfd and /dev/dri/renderD* (groups 'render' and 'video')",
+            )
+        ]
+    uuids: list[str] = []
+    for i, h in enumerate(handles):
+        try:
+            uuids.append(str(smi.amdsmi_get_gpu_device_uuid(h)))
+        except Exception:  # noqa: BLE001 - a GPU without a UUID can still be used by index
+            uuids.append(f"AMD-GPU-{i}")
+    physical, problems = visible_devices(len(handles), uuids, env)
+    gpus: list[AMDGPU] = []
+    for index, p in enumerate(physical):
+        try:
+            gpus.append(AMDGPU(smi, handles[p], index, p, clock=clock, counter_check_s=None))
+        except JoulesError as e:
+            problems.append(Problem(f"GPU {index}", f"AMD GPU {p} could not be opened: {e}", ""))
+    if counter_check_s is not None:
+        check_energy_counters(gpus, clock, counter_check_s)
+    for g in gpus:
+        problems.extend(g.problems())
+    return list(gpus), problems

@@ -1,0 +1,76 @@
+"""Find the devices this process can use: simulated (``JOULES_SIM``), NVIDIA, AMD, RAPL."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+
+from joules.devices.base import DeviceSet, Problem
+
+SIM_ENV = "JOULES_SIM"
+
+_cache: dict[str, DeviceSet] = {}
+_cache_lock = threading.Lock()
+
+
+def discover(
+    sim: str | None = None,
+    env: Mapping[str, str] | None = None,
+    rapl_root: str = "/sys/class/powercap",
+    refresh: bool = False,
+) -> DeviceSet:
+    """Return the devices of this machine, or simulated ones.
+
+    Simulated hardware is used when ``sim`` is given or ``JOULES_SIM`` is set; it runs on
+    the real clock so real programs can be measured on it. Otherwise NVIDIA GPUs (NVML),
+    else AMD GPUs (amdsmi), and CPU packages through Linux powercap RAPL. Every problem met
+    (missing library, no permission) is listed in ``DeviceSet.problems`` with its fix; no
+    exception is raised for missing hardware.
+
+    The result is cached per process (devices are shared by every monitor); pass
+    ``refresh=True`` to look again.
+
+    Raises:
+        InvalidSpecError: ``sim``/``JOULES_SIM`` is not a valid SPEC.
+    """
+    env = os.environ if env is None else env
+    spec = sim if sim is not None else env.get(SIM_ENV) or None
+    key = f"sim:{spec}" if spec else f"real:{rapl_root}"
+    with _cache_lock:
+        if not refresh and key in _cache:
+            return _cache[key]
+        devices = _discover_sim(spec) if spec else _discover_real(env, rapl_root)
+        _cache[key] = devices
+        return devices
+
+
+def _discover_sim(spec: str) -> DeviceSet:
+    from joules.devices.sim import Simulator
+
+    return Simulator.realtime(spec).devices()
+
+
+def _discover_real(env: Mapping[str, str], rapl_root: str) -> DeviceSet:
+    from joules.devices.nvidia import discover_nvml
+    from joules.devices.rapl import discover_rapl
+
+    problems: list[Problem] = []
+    gpus, p = discover_nvml(env)
+    problems += p
+    backend = "nvml" if gpus else ""
+    if not gpus:
+        from joules.devices.amd import discover_amd
+
+        gpus, p = discover_amd(env)
+        if gpus:
+            backend = "amdsmi"
+            problems += p
+        else:
+            # No AMD GPU either: report the AMD problem only when the library is present.
+            problems += [x for x in p if "not installed" not in x.message]
+    cpus, p = discover_rapl(rapl_root)
+    problems += p
+    if cpus:
+        backend = f"{backend}+rapl" if backend else "rapl"
+    return DeviceSet(gpus=gpus, cpus=cpus, problems=problems, backend=backend or "none")

@@ -1,0 +1,308 @@
+"""EnergyMonitor: time and energy of named windows of code, per GPU, CPU package and DRAM."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from joules.devices.base import CPU, GPU, DeviceSet
+from joules.devices.discovery import discover
+from joules.errors import DeviceNotFoundError, WindowError
+from joules.monitoring.log import WindowLog
+from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
+from joules.monitoring.sampler import PowerSampler
+from joules.monitoring.sync import SyncSpec, make_sync
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Counter resolution of NVML (1 mJ) and RAPL-scale resolution used in uncertainty bounds.
+_GPU_COUNTER_RESOLUTION_J = 0.001
+_RAPL_EDGE_S = 0.002
+
+
+@dataclass(slots=True)
+class _GPUEdge:
+    energy: float  # J, on the device's own (counter or sampled-integral) scale
+    uncertainty: float
+    samples: int  # sampler's sample count at the edge
+
+
+@dataclass(slots=True)
+class _Edge:
+    name: str
+    t: float
+    gpu: list[_GPUEdge]
+    cpu: list[float]
+    dram: list[float | None]
+
+
+class WindowHandle:
+    """What :meth:`EnergyMonitor.window` yields; holds the measurement once the block ends."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.measurement: Measurement | None = None
+
+
+def _select(items: Sequence[GPU] | Sequence[CPU], wanted: Sequence[int] | None, kind: str) -> list:
+    if wanted is None:
+        return list(items)
+    by_index = {d.index: d for d in items}
+    out = []
+    for i in wanted:
+        if i not in by_index:
+            have = ", ".join(str(k) for k in sorted(by_index)) or "none"
+            raise DeviceNotFoundError(f"{kind} index {i} not found (available: {have})")
+        out.append(by_index[i])
+    return out
+
+
+class EnergyMonitor:
+    """Measures time and energy of named windows of code.
+
+    Any number of windows can be open at once, nested or overlapping. GPUs with an energy
+    counter are measured by the counter, with each window edge corrected for the time since
+    the counter's last update (learned by the background sampler); GPUs without one are
+    measured by integrating sampled power. CPU packages and DRAM are measured with their
+    RAPL counters, wraparound handled.
+
+    Example:
+        >>> mon = EnergyMonitor()
+        >>> mon.begin_window("step")
+        >>> ...
+        >>> m = mon.end_window("step")
+        >>> m.total_energy_j, m.elapsed_s
+
+    Args:
+        gpu_indices: GPUs to measure (indices among visible GPUs). Default: all.
+        cpu_indices: CPU packages to measure. Default: all; ``[]`` for none.
+        devices: Devices to use. Default: :func:`joules.devices.discovery.discover`.
+        sync: Synchronize device work at window edges: ``"torch"``, ``"jax"``, ``"cupy"``,
+            a callable, or ``None``.
+        sample_interval_s: Power sampling interval (default: chosen from sensor periods).
+        log: Path of a ``.jsonl`` or ``.csv`` file that receives every window.
+        sim: Simulated-hardware SPEC, used when ``devices`` is not given.
+
+    Raises:
+        DeviceNotFoundError: A requested GPU or CPU index does not exist.
+    """
+
+    def __init__(
+        self,
+        gpu_indices: Sequence[int] | None = None,
+        cpu_indices: Sequence[int] | None = None,
+        *,
+        devices: DeviceSet | None = None,
+        sync: SyncSpec = None,
+        sample_interval_s: float | None = None,
+        log: str | Path | None = None,
+        sim: str | None = None,
+    ) -> None:
+        self.devices = devices if devices is not None else discover(sim=sim)
+        self.clock = self.devices.clock
+        self.gpus: list[GPU] = _select(self.devices.gpus, gpu_indices, "GPU")
+        self.cpus: list[CPU] = _select(self.devices.cpus, cpu_indices, "CPU")
+        self._dram = [c.has_dram() for c in self.cpus]
+        self._counter = [g.has_energy_counter() for g in self.gpus]
+        self._periods = [g.energy_counter_period_s() or 0.0 for g in self.gpus]
+        self._sync = make_sync(sync, [g.index for g in self.gpus])
+        self._log = WindowLog(log) if log is not None else None
+        self._host = socket.gethostname()
+        self._windows: dict[str, _Edge] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
+        self.last: dict[str, Measurement] = {}
+
+    # -- edges ------------------------------------------------------------------------------
+    def _gpu_edge(self, k: int, gpu: GPU) -> _GPUEdge:
+        sampler = self.sampler
+        samples = sampler.sample_count(gpu.index)
+        if not self._counter[k]:
+            t = self.clock.now()
+            return _GPUEdge(sampler.energy_integral(gpu.index, t), 0.0, samples)
+        c = gpu.energy_j()
+        t = self.clock.now()
+        tracker = sampler.tracker(gpu.index)
+        assert tracker is not None
+        tracker.observe(t, c)
+        update = tracker.update_time()
+        power = sampler.latest_power(gpu.index)
+        if update is None:
+            # Nothing known of the counter's timing yet: take it as is.
+            return _GPUEdge(c, power * self._periods[k], samples)
+        tick, half_width = update
+        since = max(0.0, t - tick)
+        spread = sampler.power_spread(gpu.index)
+        return _GPUEdge(
+            c + power * since,
+            spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
+            samples,
+        )
+
+    def _edge(self, name: str) -> _Edge:
+        if self._sync is not None:
+            self._sync()
+        gpu = [self._gpu_edge(k, g) for k, g in enumerate(self.gpus)]
+        t = self.clock.now()
+        cpu = [c.package_energy_j() for c in self.cpus]
+        dram = [c.dram_energy_j() if d else None for c, d in zip(self.cpus, self._dram, strict=True)]
+        return _Edge(name, t, gpu, cpu, dram)
+
+    # -- windows ----------------------------------------------------------------------------
+    def begin_window(self, name: str) -> None:
+        """Open a window called ``name``.
+
+        Raises:
+            WindowError: A window of that name is already open.
+        """
+        self._begin(name, name)
+
+    def end_window(self, name: str) -> Measurement:
+        """Close window ``name`` and return its measurement.
+
+        Raises:
+            WindowError: No window of that name is open.
+        """
+        return self._end(name)
+
+    def _begin(self, key: str, name: str) -> None:
+        with self._lock:
+            if key in self._windows:
+                raise WindowError(f"window {name!r} is already open; end or cancel it first")
+            self._windows[key] = _Edge(name, 0.0, [], [], [])  # reserve the name
+        try:
+            edge = self._edge(name)
+        except BaseException:
+            with self._lock:
+                self._windows.pop(key, None)
+            raise
+        with self._lock:
+            self._windows[key] = edge
+
+    def _end(self, key: str) -> Measurement:
+        with self._lock:
+            begin = self._windows.pop(key, None)
+        if begin is None:
+            raise WindowError(f"no open window named {key!r}")
+        m = self._measure(begin, self._edge(begin.name))
+        self.last[m.name] = m
+        if self._log is not None:
+            self._log.write(m)
+        return m
+
+    def cancel_window(self, name: str) -> None:
+        """Discard open window ``name`` without measuring it.
+
+        Raises:
+            WindowError: No window of that name is open.
+        """
+        with self._lock:
+            if self._windows.pop(name, None) is None:
+                raise WindowError(f"no open window named {name!r}")
+
+    def restart_window(self, name: str) -> None:
+        """Discard window ``name`` if open, and open it again from now."""
+        with self._lock:
+            self._windows.pop(name, None)
+        self.begin_window(name)
+
+    @property
+    def open_windows(self) -> list[str]:
+        """Names of the windows open now."""
+        with self._lock:
+            return [edge.name for edge in self._windows.values()]
+
+    @contextmanager
+    def window(self, name: str) -> Iterator[WindowHandle]:
+        """Measure a ``with`` block; the handle's ``measurement`` is set when it ends.
+
+        If the block raises, the window is cancelled and the exception propagates.
+        """
+        handle = WindowHandle(name)
+        # Blocks of the same name may overlap (threads, recursion): each gets its own key.
+        key = f"{name}\x00{next(self._seq)}"
+        self._begin(key, name)
+        try:
+            yield handle
+        except BaseException:
+            with self._lock:
+                self._windows.pop(key, None)
+            raise
+        handle.measurement = self._end(key)
+
+    def measure(self, name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator measuring every call of a function; see :attr:`last` for the result."""
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            label = name or fn.__qualname__
+
+            @functools.wraps(fn)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                with self.window(label):
+                    return fn(*args, **kwargs)
+
+            return wrapper
+
+        return decorate
+
+    # -- measurement ------------------------------------------------------------------------
+    def _measure(self, begin: _Edge, end: _Edge) -> Measurement:
+        elapsed = max(0.0, end.t - begin.t)
+        gpu: dict[int, DeviceEnergy] = {}
+        for k, g in enumerate(self.gpus):
+            b, e = begin.gpu[k], end.gpu[k]
+            energy = max(0.0, e.energy - b.energy)
+            if self._counter[k]:
+                source = Source.COUNTER
+                corrected = elapsed < self._periods[k]
+                uncertainty = b.uncertainty + e.uncertainty
+            else:
+                n = e.samples - b.samples
+                source = Source.SAMPLED if n >= 2 else Source.ESTIMATE
+                corrected = n < 2
+                interval = self.sampler.interval_s
+                spread = self.sampler.power_spread(g.index)
+                # Edges fall up to one interval from a sample: power may differ by the spread.
+                uncertainty = spread * min(elapsed, 2 * interval)
+            gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.uuid)
+        cpu: dict[int, DeviceEnergy] = {}
+        dram: dict[int, DeviceEnergy] = {}
+        for k, c in enumerate(self.cpus):
+            pkg = end.cpu[k] - begin.cpu[k]
+            # RAPL updates about every millisecond: each edge may miss one update.
+            scale = _RAPL_EDGE_S / elapsed if elapsed > 0 else 0.0
+            cpu[c.index] = DeviceEnergy(pkg, Source.COUNTER, pkg * scale, False, f"{self._host}/cpu{c.index}")
+            d0, d1 = begin.dram[k], end.dram[k]
+            if d0 is not None and d1 is not None:
+                dram[c.index] = DeviceEnergy(
+                    d1 - d0, Source.COUNTER, (d1 - d0) * scale, False, f"{self._host}/dram{c.index}"
+                )
+        return Measurement(begin.name, begin.t, elapsed, gpu, cpu, dram, self._host)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the sampler and close the log (idempotent)."""
+        self.sampler.stop()
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> EnergyMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.sampler.stop()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass

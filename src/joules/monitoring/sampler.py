@@ -1,0 +1,302 @@
+"""Background power sampler: one thread for all devices, bounded memory, O(1) window queries.
+
+The sampler polls each GPU's power reading (and, where there is one, its energy counter)
+every ``interval_s`` seconds, and each CPU package's counters often enough that no RAPL
+wraparound is missed. For every GPU it keeps
+
+* a running energy integral of the power readings, so the energy between any two instants
+  is the difference of two O(1) lookups however long the sampler has run;
+* a :class:`CounterTracker` that learns when the energy counter updates, so that window
+  edges falling between counter updates can be corrected;
+* a ring buffer of recent samples (fixed capacity) for timeline export.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from joules.clock import Clock, Timer
+from joules.devices.base import CPU, GPU
+
+# Poll at a fraction of the counter period that is not a simple ratio, so that poll times
+# sweep across the counter's update phase and the phase can be pinned down quickly.
+_PHASE_SWEEP_RATIO = 0.29
+# Floor of the default interval, also not a simple fraction of common counter periods.
+_MIN_INTERVAL_S = 0.0107
+
+
+class CounterTracker:
+    """Learns the update phase of a periodically updated energy counter.
+
+    Each observed change of the counter between two reads at ``a < b`` means an update
+    happened in ``(a, b]``. With a known period ``T``, every such interval constrains the
+    phase (update time modulo ``T``) to an arc; intersecting the arcs narrows it down to a
+    few milliseconds within a second or two of polling. When observations contradict the
+    current estimate (an irregular counter), the estimate restarts from the latest one.
+
+    Args:
+        period_s: Nominal update period of the counter.
+    """
+
+    __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock")
+
+    def __init__(self, period_s: float) -> None:
+        self.period = period_s
+        self._arc_start = 0.0
+        self._arc_len = period_s  # phase unknown: the whole circle
+        self._last_value: float | None = None
+        self._last_t = -math.inf
+        # The update that produced the current value happened in (_lo, _hi].
+        self._lo = -math.inf
+        self._hi = -math.inf
+        self._lock = threading.Lock()
+
+    @property
+    def locked(self) -> bool:
+        """Whether the phase is known to within a quarter period."""
+        return self._arc_len <= self.period / 4.0
+
+    def observe(self, t: float, value: float) -> None:
+        """Record a counter read ``value`` taken at time ``t``."""
+        with self._lock:
+            if t < self._last_t:
+                return  # a read that lost a race with a later one adds nothing
+            if self._last_value is not None and value != self._last_value:
+                self._lo, self._hi = self._last_t, t
+                width = t - self._last_t
+                if width < self.period:
+                    self._narrow(self._last_t % self.period, width)
+            self._last_value = value
+            self._last_t = t
+
+    def _narrow(self, start: float, length: float) -> None:
+        period = self.period
+        if self._arc_len >= period:
+            self._arc_start, self._arc_len = start, length
+            return
+        best_start, best_len = 0.0, -1.0
+        for shift in (-period, 0.0, period):
+            s2 = start + shift
+            lo = max(self._arc_start, s2)
+            hi = min(self._arc_start + self._arc_len, s2 + length)
+            if hi - lo > best_len:
+                best_start, best_len = lo, hi - lo
+        if best_len < 0:  # contradiction: the counter is not as periodic as assumed
+            self._arc_start, self._arc_len = start, length
+        else:
+            self._arc_start, self._arc_len = best_start % period, max(best_len, 1e-6)
+
+    def update_time(self) -> tuple[float, float] | None:
+        """When the update that produced the latest observed value happened.
+
+        Returns ``(estimate, half_width)``, or ``None`` before any change was observed.
+        The change interval seen by polling is intersected with the learned phase.
+        """
+        with self._lock:
+            lo, hi = self._lo, self._hi
+            if lo == -math.inf:
+                return None
+            if self._arc_len < self.period:
+                period = self.period
+                start = self._arc_start + math.floor((hi - self._arc_start) / period) * period
+                for s in (start, start - period):
+                    a, b = max(lo, s), min(hi, s + self._arc_len)
+                    if b > a:
+                        lo, hi = a, b
+                        break
+            return (lo + hi) / 2.0, (hi - lo) / 2.0
+
+
+@dataclass
+class _GPUTrack:
+    gpu: GPU
+    tracker: CounterTracker | None
+    times: np.ndarray
+    powers: np.ndarray
+    count: int = 0
+    energy: float = 0.0  # running integral of sampled power, J
+    last_t: float = math.nan
+    last_p: float = math.nan
+    recent_max: float = 0.0
+    recent_min: float = math.inf
+
+
+class PowerSampler:
+    """Samples device power on one background thread (or virtual-clock timer).
+
+    Args:
+        gpus: GPUs to sample.
+        cpus: CPU packages whose wrapping counters must be kept current.
+        clock: Clock to use (periodic work runs through ``clock.every``).
+        interval_s: Sampling interval. Default: a fraction of the fastest sensor's update
+            period chosen to learn counter phases quickly (29 ms for 100 ms sensors), at
+            least 10 ms.
+        capacity: Samples kept per GPU for timeline export (ring buffer).
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[GPU],
+        cpus: Sequence[CPU] = (),
+        clock: Clock | None = None,
+        interval_s: float | None = None,
+        capacity: int = 65536,
+    ) -> None:
+        from joules.clock import RealClock
+
+        self.clock = clock or RealClock()
+        self.cpus = list(cpus)
+        if interval_s is None:
+            periods = [
+                p for g in gpus for p in (g.energy_counter_period_s(), g.power_update_period_s()) if p
+            ]
+            interval_s = max(_MIN_INTERVAL_S, _PHASE_SWEEP_RATIO * min(periods)) if periods else 0.1
+        if interval_s <= 0:
+            raise ValueError(f"sampling interval must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.capacity = capacity
+        self._tracks: dict[int, _GPUTrack] = {}
+        for g in gpus:
+            period = g.energy_counter_period_s() if g.has_energy_counter() else None
+            self._tracks[g.index] = _GPUTrack(
+                gpu=g,
+                tracker=CounterTracker(period) if period else None,
+                times=np.zeros(capacity),
+                powers=np.zeros(capacity),
+            )
+        self._cpu_every = max(1, int(min((c.max_read_interval_s() for c in self.cpus), default=60.0)
+                                     / 4.0 / interval_s))
+        self._ticks = 0
+        self._lock = threading.Lock()
+        self._timer: Timer | None = None
+        self.errors = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> PowerSampler:
+        """Start sampling (idempotent)."""
+        if self._timer is None:
+            self._timer = self.clock.every(self.interval_s, self._tick, name="joules-sampler")
+        return self
+
+    def stop(self) -> None:
+        """Stop sampling (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampler is started."""
+        return self._timer is not None
+
+    def _tick(self, now: float) -> None:
+        for track in self._tracks.values():
+            try:
+                if track.tracker is not None:
+                    track.tracker.observe(self.clock.now(), track.gpu.energy_j())
+                p = track.gpu.power_w()
+            except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
+                self.errors += 1
+                continue
+            self._add(track, self.clock.now(), p)
+        self._ticks += 1
+        if self.cpus and self._ticks % self._cpu_every == 0:
+            for cpu in self.cpus:
+                try:
+                    cpu.package_energy_j()
+                    if cpu.has_dram():
+                        cpu.dram_energy_j()
+                except Exception:  # noqa: BLE001
+                    self.errors += 1
+
+    def _add(self, track: _GPUTrack, t: float, p: float) -> None:
+        with self._lock:
+            if track.count and t > track.last_t:
+                # A reading describes the power just before it was taken: it covers the
+                # interval since the previous sample (exact at constant power, whatever
+                # the number of repeated readings).
+                track.energy += p * (t - track.last_t)
+            i = track.count % self.capacity
+            track.times[i] = t
+            track.powers[i] = p
+            track.count += 1
+            track.last_t, track.last_p = t, p
+            # Exponentially forgetting spread of recent readings, for uncertainty bounds.
+            track.recent_max = max(p, track.recent_max * 0.98 + p * 0.02)
+            track.recent_min = min(p, track.recent_min * 0.98 + p * 0.02)
+
+    # -- queries (O(1)) ---------------------------------------------------------------------
+    def sample_now(self, index: int) -> None:
+        """Take one sample of GPU ``index`` immediately (used when none exists yet)."""
+        track = self._tracks[index]
+        self._add(track, self.clock.now(), track.gpu.power_w())
+
+    def energy_integral(self, index: int, t: float) -> float:
+        """Integral of sampled power of GPU ``index`` from the first sample to time ``t``, J.
+
+        Past the latest sample the latest reading is extrapolated.
+        """
+        track = self._tracks[index]
+        if not track.count:
+            self.sample_now(index)
+        with self._lock:
+            return track.energy + track.last_p * (t - track.last_t)
+
+    def latest_power(self, index: int) -> float:
+        """Most recent power reading of GPU ``index``, W."""
+        track = self._tracks[index]
+        if not track.count:
+            self.sample_now(index)
+        return track.last_p
+
+    def power_spread(self, index: int) -> float:
+        """Recent spread (max - min) of GPU ``index``'s power readings, W."""
+        track = self._tracks[index]
+        return max(0.0, track.recent_max - track.recent_min) if track.count else 0.0
+
+    def sample_count(self, index: int) -> int:
+        """Number of samples of GPU ``index`` taken so far."""
+        return self._tracks[index].count
+
+    def tracker(self, index: int) -> CounterTracker | None:
+        """The counter tracker of GPU ``index`` (``None`` without an energy counter)."""
+        return self._tracks[index].tracker
+
+    # -- export -----------------------------------------------------------------------------
+    def timeline(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Retained samples of GPU ``index`` in time order: (times s, power W)."""
+        track = self._tracks[index]
+        with self._lock:
+            n = min(track.count, self.capacity)
+            start = track.count % self.capacity if track.count > self.capacity else 0
+            order = (np.arange(n) + start) % self.capacity
+            return track.times[order].copy(), track.powers[order].copy()
+
+    def export(self, path: str | Path) -> Path:
+        """Write every retained sample to ``path`` (``.csv`` or ``.jsonl``)."""
+        path = Path(path)
+        rows = []
+        for index in sorted(self._tracks):
+            times, powers = self.timeline(index)
+            rows.extend((float(t), f"gpu{index}", float(p)) for t, p in zip(times, powers, strict=True))
+        rows.sort()
+        if path.suffix == ".jsonl":
+            with path.open("w") as f:
+                for t, dev, p in rows:
+                    f.write(json.dumps({"time_s": t, "device": dev, "power_w": p}) + "\n")
+        elif path.suffix == ".csv":
+            with path.open("w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["time_s", "device", "power_w"])
+                w.writerows(rows)
+        else:
+            raise ValueError(f"timeline export needs a .csv or .jsonl path, got {path}")
+        return path

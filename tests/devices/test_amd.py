@@ -1,0 +1,297 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from joules.clock import VirtualClock
+from joules.devices.amd import AMDGPU, discover_amd, visible_devices
+from joules.devices.sim import Constant, SimGPU
+from joules.errors import DevicePermissionError, NotSupportedError
+from joules.testing.fake_amdsmi import COUNTER_RESOLUTION_UJ, MI250X, MI300X, installed, make_module
+
+
+def sims(clock: VirtualClock, n: int = 2, model=MI300X, **kwargs) -> list[SimGPU]:
+    return [SimGPU(model, clock, index=i, **kwargs) for i in range(n)]
+
+
+def amd_gpus(gpus: list) -> list[AMDGPU]:
+    assert all(isinstance(g, AMDGPU) for g in gpus)
+    return gpus
+
+
+# -- discovery --------------------------------------------------------------------------------
+def test_discovers_gpus() -> None:
+    clock = VirtualClock()
+    s = sims(clock, 2)
+    with installed(s) as smi:
+        gpus, problems = discover_amd({}, clock=clock)
+    assert problems == []
+    assert [g.index for g in gpus] == [0, 1]
+    assert [g.physical_index for g in gpus] == [0, 1]
+    assert [g.name for g in gpus] == ["AMD Instinct MI300X"] * 2
+    assert [g.vendor for g in gpus] == ["amd", "amd"]
+    assert [g.uuid for g in gpus] == [h.uuid for h in smi.handles]
+    assert len(set(g.uuid for g in gpus)) == 2
+
+
+def test_installed_restores_sys_modules() -> None:
+    clock = VirtualClock()
+    before = sys.modules.get("amdsmi")
+    with installed(sims(clock, 1)) as smi:
+        assert sys.modules["amdsmi"] is smi
+    assert sys.modules.get("amdsmi") is before
+
+
+def test_missing_amdsmi_without_driver_is_silent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # import amdsmi -> ImportError
+    assert discover_amd({}, kfd_path=str(tmp_path / "kfd")) == ([], [])
+
+
+def test_missing_amdsmi_with_driver_explains(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    kfd = tmp_path / "kfd"
+    kfd.write_text("")
+    gpus, problems = discover_amd({}, kfd_path=str(kfd))
+    assert gpus == []
+    assert len(problems) == 1 and "pip install amdsmi" in problems[0].fix
+
+
+def test_init_failure_is_a_problem() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 1), fail_init=True):
+        gpus, problems = discover_amd({}, clock=clock)
+    assert gpus == []
+    assert "could not be initialized" in problems[0].message
+    assert "render" in problems[0].fix
+
+
+# -- energy and power ---------------------------------------------------------------------------
+@pytest.mark.parametrize("legacy", [False, True])
+def test_energy_counter_in_joules(legacy: bool) -> None:
+    clock = VirtualClock()
+    (sim,) = sims(clock, 1)
+    with installed([sim], legacy_energy_key=legacy):
+        (gpu,), problems = discover_amd({}, clock=clock)
+    assert problems == [] and gpu.has_energy_counter()
+    sim.set_workload(Constant(1.0))  # 750 W, the MI300X cap
+    e0, t0 = gpu.energy_j(), sim.true_energy_j()
+    clock.advance(10.0)
+    e1, t1 = gpu.energy_j(), sim.true_energy_j()
+    assert t1 - t0 == pytest.approx(7500.0)
+    # 15.3 µJ ticks of a counter updated every 1 ms in 1 mJ steps
+    assert e1 - e0 == pytest.approx(7500.0, abs=0.75 + 2 * COUNTER_RESOLUTION_UJ * 1e-6)
+
+
+def test_power_fields_by_generation() -> None:
+    clock = VirtualClock()
+    mi300 = SimGPU(MI300X, clock, index=0, workload=Constant(1.0))
+    mi250 = SimGPU(MI250X, clock, index=1, workload=Constant(1.0))
+    with installed([mi300, mi250]):
+        g300, g250 = amd_gpus(discover_amd({}, clock=clock)[0])
+    clock.advance(2.0)
+    # MI300X reports current_socket_power only; the average falls back to it
+    assert g300.power_w() == 750.0
+    assert g300.average_power_w() == 750.0
+    # MI250X reports average_socket_power only; the instant reading falls back to it
+    assert g250.power_w() == 500.0
+    assert g250.average_power_w() == 500.0
+
+
+def test_idle_power() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 1)):
+        (gpu,), _ = discover_amd({}, clock=clock)
+    clock.advance(1.0)
+    assert gpu.power_w() == 140.0
+
+
+# -- broken energy counter ----------------------------------------------------------------------
+def test_frozen_counter_is_detected_and_power_still_works() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 2), broken_energy_counter=True):
+        gpus, problems = discover_amd({}, clock=clock, counter_check_s=0.2)
+    assert [g.has_energy_counter() for g in gpus] == [False, False]
+    assert len(problems) == 2
+    assert "did not advance in 0.200 s while the GPU drew 140 W" in problems[0].message
+    assert "power sampling" in problems[0].message
+    assert "ROCm" in problems[0].fix
+    with pytest.raises(NotSupportedError, match="power sampling"):
+        gpus[0].energy_j()
+    assert gpus[0].power_w() == 140.0
+    assert amd_gpus(gpus)[0].describe()["energy_counter"] is False
+    assert gpus[0].describe()["energy_counter_check"]["ok"] is False  # type: ignore[index]
+
+
+def test_erratic_counter_is_detected() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 1), broken_energy_counter="erratic"):
+        (gpu,), problems = discover_amd({}, clock=clock)
+    assert not gpu.has_energy_counter()
+    # 1e9 ticks of 15.3 µJ = 15.3 kJ in 0.2 s: 76 kW while the GPU reads 140 W
+    assert "W while the power reading is 140 W" in problems[0].message
+
+
+def test_only_the_broken_gpu_is_marked() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 3), broken_energy_counter=True, broken_gpus={1}):
+        gpus, problems = discover_amd({}, clock=clock)
+    assert [g.has_energy_counter() for g in gpus] == [True, False, True]
+    assert [p.device for p in problems] == ["GPU 1"]
+
+
+def test_check_costs_one_interval_for_all_gpus() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 4)):
+        discover_amd({}, clock=clock, counter_check_s=0.25)
+    assert clock.now() == 0.25
+
+
+def test_check_can_be_skipped() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 1), broken_energy_counter=True):
+        (gpu,), problems = discover_amd({}, clock=clock, counter_check_s=None)
+    assert clock.now() == 0.0
+    assert gpu.has_energy_counter() and problems == []
+
+
+def test_constructor_runs_the_check() -> None:
+    clock = VirtualClock()
+    s = sims(clock, 1)
+    smi = make_module(s, broken_energy_counter=True)
+    smi.amdsmi_init()
+    handle = smi.amdsmi_get_processor_handles()[0]
+    gpu = AMDGPU(smi, handle, 0, clock=clock, counter_check_s=0.05)
+    assert clock.now() == pytest.approx(0.05)
+    assert not gpu.has_energy_counter()
+    good = make_module(s)
+    good.amdsmi_init()
+    ok = AMDGPU(good, good.amdsmi_get_processor_handles()[0], 0, clock=clock, counter_check_s=0.05)
+    assert ok.has_energy_counter()
+    assert clock.now() == pytest.approx(0.10)
+
+
+def test_counter_check_accepts_a_busy_gpu() -> None:
+    clock = VirtualClock()
+    s = sims(clock, 1, workload=Constant(1.0))
+    with installed(s):
+        (gpu,), problems = discover_amd({}, clock=clock)
+    assert problems == []
+    check = gpu.describe()["energy_counter_check"]
+    assert check["ok"] is True  # type: ignore[index]
+    assert check["energy_delta_j"] == pytest.approx(150.0, abs=0.01)  # type: ignore[index]  # 750 W x 0.2 s
+
+
+# -- power limits -------------------------------------------------------------------------------
+def test_power_limits_in_watts() -> None:
+    clock = VirtualClock()
+    (sim,) = sims(clock, 1)
+    with installed([sim]):
+        (gpu,), _ = discover_amd({}, clock=clock)
+    assert gpu.power_limit_w() == 750.0
+    assert gpu.default_power_limit_w() == 750.0
+    assert gpu.power_limit_range_w() == (200.0, 750.0)
+    gpu.set_power_limit_w(450.5)
+    assert sim.power_limit_w() == 450.5  # 450,500,000 µW went to amdsmi_set_power_cap
+    assert gpu.power_limit_w() == 450.5
+    with pytest.raises(ValueError, match=r"outside the allowed range \[200, 750\] W"):
+        gpu.set_power_limit_w(800)
+    gpu.reset_power_limit()
+    assert sim.power_limit_w() == 750.0
+
+
+def test_power_cap_reported_in_watts_is_understood() -> None:
+    clock = VirtualClock()
+    smi = make_module(sims(clock, 1))
+    smi.amdsmi_get_power_cap_info = lambda h: {  # an amdsmi that reports W
+        "power_cap": 750, "default_power_cap": 750, "min_power_cap": 200, "max_power_cap": 750,
+    }
+    smi.amdsmi_init()
+    gpu = AMDGPU(smi, smi.amdsmi_get_processor_handles()[0], 0, clock=clock, counter_check_s=None)
+    assert gpu.power_limit_w() == 750.0
+    assert gpu.power_limit_range_w() == (200.0, 750.0)
+
+
+def test_setting_limits_without_permission() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 1, allow_control=False)):
+        (gpu,), _ = discover_amd({}, clock=clock)
+    with pytest.raises(DevicePermissionError, match="needs root"):
+        gpu.set_power_limit_w(400)
+    with pytest.raises(DevicePermissionError):
+        gpu.lock_sm_clock(500, 1500)
+
+
+# -- clocks and temperature ---------------------------------------------------------------------
+def test_clocks() -> None:
+    clock = VirtualClock()
+    (sim,) = sims(clock, 1)
+    with installed([sim]):
+        (gpu,), _ = discover_amd({}, clock=clock)
+    assert gpu.sm_clock_mhz() == 500.0  # idle
+    assert gpu.memory_clock_mhz() == 1300.0
+    supported = gpu.supported_sm_clocks_mhz()
+    # amdsmi_get_clk_freq drops the last frequency; the clock info's max restores it
+    assert supported[0] == 2100.0 and supported[-1] == 500.0 and len(supported) == 17
+    gpu.lock_sm_clock(500, 1500)
+    assert sim.sm_clock_locked() == (500.0, 1500.0)
+    gpu.reset_sm_clock()
+    assert sim.sm_clock_locked() is None
+    with pytest.raises(ValueError, match=r"outside \[500, 2100\] MHz"):
+        gpu.lock_sm_clock(500, 2500)
+
+
+def test_temperature_falls_back_to_hotspot_on_mi300() -> None:
+    clock = VirtualClock()
+    mi300 = SimGPU(MI300X, clock, index=0)
+    mi250 = SimGPU(MI250X, clock, index=1)
+    with installed([mi300, mi250]):
+        g300, g250 = discover_amd({}, clock=clock)[0]
+    assert g300.temperature_c() == float(int(mi300.temperature_c() + 12))  # hotspot (junction)
+    assert g250.temperature_c() == float(int(mi250.temperature_c()))  # edge
+
+
+# -- visible devices ----------------------------------------------------------------------------
+def test_rocr_visible_devices_selects_and_reorders() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 4)) as smi:
+        gpus, problems = discover_amd({"ROCR_VISIBLE_DEVICES": "2,0"}, clock=clock)
+    assert problems == []
+    assert [(g.index, g.physical_index) for g in gpus] == [(0, 2), (1, 0)]
+    assert gpus[0].uuid == smi.handles[2].uuid
+
+
+def test_hip_visible_devices_indexes_the_rocr_selection() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 4)):
+        gpus, _ = discover_amd({"ROCR_VISIBLE_DEVICES": "3,1,2", "HIP_VISIBLE_DEVICES": "2,0"}, clock=clock)
+    assert [(g.index, g.physical_index) for g in gpus] == [(0, 2), (1, 3)]
+
+
+def test_visible_devices_by_uuid() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 3)) as smi:
+        full = smi.handles[2].uuid
+        short = "GPU-" + full.replace("-", "")[-16:]
+        gpus, problems = discover_amd({"ROCR_VISIBLE_DEVICES": f"{short},{full.upper()}"}, clock=clock)
+    # the second entry names the same GPU again: it and what follows are dropped
+    assert [g.physical_index for g in gpus] == [2]
+    assert len(problems) == 1
+
+
+def test_invalid_entry_hides_it_and_the_rest() -> None:
+    order, problems = visible_devices(4, [f"u{i}" for i in range(4)], {"HIP_VISIBLE_DEVICES": "1,7,2"})
+    assert order == [1]
+    assert "'7'" in problems[0].message and "0 to 3" in problems[0].fix
+
+
+def test_empty_value_hides_every_gpu() -> None:
+    assert visible_devices(4, ["a"] * 4, {"ROCR_VISIBLE_DEVICES": ""}) == ([], [])
+
+
+def test_cuda_visible_devices_only_without_hip() -> None:
+    uuids = [f"u{i}" for i in range(4)]
+    assert visible_devices(4, uuids, {"CUDA_VISIBLE_DEVICES": "3"})[0] == [3]
+    assert visible_devices(4, uuids, {"CUDA_VISIBLE_DEVICES": "3", "HIP_VISIBLE_DEVICES": "1"})[0] == [1]
+    assert visible_devices(4, uuids, {})[0] == [0, 1, 2, 3]

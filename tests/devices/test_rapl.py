@@ -1,0 +1,331 @@
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from joules.clock import VirtualClock
+from joules.devices.rapl import NO_RAPL_MESSAGE, RaplCPU, discover_rapl
+from joules.devices.sim import Constant, SimCPU
+from joules.devices.sim.catalog import cpu_model
+from joules.errors import DevicePermissionError, NotSupportedError
+from joules.testing.fake_sysfs import FakePowercap
+
+
+def discover(fake: FakePowercap, **kwargs: object) -> tuple[list[RaplCPU], list]:
+    cpus, problems = discover_rapl(fake.root, cpuinfo=fake.cpuinfo_path, **kwargs)  # type: ignore[arg-type]
+    assert all(isinstance(c, RaplCPU) for c in cpus)
+    return cpus, problems  # type: ignore[return-value]
+
+
+# -- discovery --------------------------------------------------------------------------------
+def test_two_packages_with_dram(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, dram=True)
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert [c.index for c in cpus] == [0, 1]
+    assert [c.name for c in cpus] == ["Intel(R) Xeon(R) Platinum 8480+"] * 2
+    assert [c.vendor for c in cpus] == ["intel", "intel"]
+    assert all(c.has_dram() for c in cpus)
+    assert not any(c.has_psys() for c in cpus)
+    # core and uncore subzones are ignored; only package and dram are read
+    assert [z.name for z in cpus[1].zones()] == ["package-1", "dram"]
+    assert cpus[1].dram is not None and cpus[1].dram.path == fake.zone_dir(1, "dram")
+    info = cpus[0].describe()
+    assert info["dram"] is True and info["psys"] is False and info["readable"] is True
+
+
+def test_dram_absent(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    (cpu,), problems = discover(fake)
+    assert problems == []
+    assert not cpu.has_dram()
+    with pytest.raises(NotSupportedError, match="no RAPL DRAM zone"):
+        cpu.dram_energy_j()
+
+
+def test_dram_is_read_per_package(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2)
+    cpus, _ = discover(fake)
+    d0, d1 = cpus[0].dram_energy_j(), cpus[1].dram_energy_j()
+    fake.add_energy(1, "dram", 3.25)
+    assert cpus[0].dram_energy_j() == d0
+    assert cpus[1].dram_energy_j() - d1 == pytest.approx(3.25, abs=1e-6)
+
+
+def test_psys_is_attached_to_package_zero(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, psys=True)
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert len(cpus) == 2  # psys is not a package
+    assert cpus[0].has_psys() and not cpus[1].has_psys()
+    assert cpus[0].describe()["psys"] is True
+    p0, pkg0 = cpus[0].psys_energy_j(), cpus[0].package_energy_j()
+    fake.add_energy(0, "psys", 42.0)
+    assert cpus[0].psys_energy_j() - p0 == pytest.approx(42.0, abs=1e-6)
+    assert cpus[0].package_energy_j() == pkg0
+    with pytest.raises(NotSupportedError, match="psys"):
+        cpus[1].psys_energy_j()
+
+
+def test_psys_wraps_are_tracked_by_package_reads(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, psys=True, max_energy_range_uj=1_000_000)
+    (cpu,), _ = discover(fake)
+    p0 = cpu.psys_energy_j()
+    for _ in range(10):
+        fake.add_energy(0, "psys", 0.6)
+        cpu.package_energy_j()  # what the sampler reads
+    assert cpu.psys_energy_j() - p0 == pytest.approx(6.0, abs=1e-5)
+
+
+def test_amd_rapl_naming(tmp_path: Path) -> None:
+    fake = FakePowercap(
+        tmp_path, packages=2, dram=False, prefix="amd-rapl", max_power_uw=None,
+        model_name="AMD EPYC 7763 64-Core Processor", vendor_id="AuthenticAMD",
+        max_energy_range_uj=65_712_999_613,
+    )
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert [c.vendor for c in cpus] == ["amd", "amd"]
+    assert cpus[0].name == "AMD EPYC 7763 64-Core Processor"
+    assert not cpus[0].has_dram()
+    # without cpuinfo the zone prefix still tells the vendor
+    cpus2, _ = discover_rapl(fake.root, cpuinfo=None)
+    assert [c.vendor for c in cpus2] == ["amd", "amd"]
+    assert cpus2[0].name == "package-0"
+
+
+def test_amd_cpu_with_intel_rapl_naming_uses_cpuinfo_vendor(tmp_path: Path) -> None:
+    # Since Linux 5.8, AMD Zen packages appear as intel-rapl:N.
+    fake = FakePowercap(tmp_path, packages=1, dram=False, vendor_id="AuthenticAMD",
+                        model_name="AMD EPYC 9654 96-Core Processor")
+    (cpu,), _ = discover(fake)
+    assert cpu.vendor == "amd"
+
+
+def test_mmio_zone_duplicating_a_package_is_ignored(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    mmio = fake.root / "intel-rapl-mmio:0"
+    mmio.mkdir()
+    (mmio / "name").write_text("package-0\n")
+    (mmio / "max_energy_range_uj").write_text("262143328850\n")
+    (mmio / "energy_uj").write_text("5\n")
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert len(cpus) == 1
+    assert cpus[0].package.path == fake.zone_dir(0, "package")
+
+
+def test_missing_root(tmp_path: Path) -> None:
+    cpus, problems = discover_rapl(tmp_path / "nonexistent")
+    assert cpus == []
+    assert len(problems) == 1
+    assert problems[0].message == NO_RAPL_MESSAGE
+    assert "modprobe intel_rapl_common" in problems[0].message
+
+
+def test_root_without_packages(tmp_path: Path) -> None:
+    cpus, problems = discover_rapl(tmp_path)
+    assert cpus == []
+    assert len(problems) == 1 and "no package zones" in problems[0].message
+
+
+# -- readings and wraparound ------------------------------------------------------------------
+def test_energy_in_joules(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1)
+    fake.set_energy(0, "package", 123_456_789)
+    (cpu,), _ = discover(fake)
+    e0 = cpu.package_energy_j()
+    assert e0 == pytest.approx(123.456789, abs=1e-9)
+    fake.set_energy(0, "package", 135_956_789)
+    assert cpu.package_energy_j() - e0 == pytest.approx(12.5, abs=1e-9)
+
+
+def test_many_wraps_are_exact_when_read_each_wrap(tmp_path: Path) -> None:
+    wrap = 1_000_000  # 1 J, to wrap quickly
+    fake = FakePowercap(tmp_path, packages=1, max_energy_range_uj=wrap)
+    fake.set_energy(0, "package", 999_000)
+    (cpu,), _ = discover(fake)
+    start = cpu.package.energy_uj()  # the zone in µJ, to check exactness to the last digit
+    total = 999_000
+    for i in range(2_500):
+        total += 700_001 + (i % 7) * 41_999  # 0.70 to 0.95 J per step: always under one wrap
+        fake.set_energy(0, "package", total % wrap)
+        cpu.poll()
+    assert cpu.package.energy_uj() - start == total - 999_000  # exact, in µJ
+    assert (total - 999_000) / wrap > 1_900  # ... across about 2,000 wraps
+    assert cpu.package_energy_j() - start * 1e-6 == pytest.approx((total - 999_000) * 1e-6, abs=1e-6)
+
+
+def test_add_energy_wraps_and_reading_follows(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, max_energy_range_uj=1_000_000)
+    (cpu,), _ = discover(fake)
+    e0 = cpu.package_energy_j()
+    for _ in range(40):
+        fake.add_energy(0, "package", 0.75)
+        cpu.poll()
+    assert fake.energy_uj(0, "package") == 0  # 30 J = exactly 30 wraps
+    assert cpu.package_energy_j() - e0 == pytest.approx(30.0, abs=1e-5)
+
+
+def test_window_longer_than_a_wrap_is_exact_with_one_poll_per_wrap(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    sim = SimCPU(cpu_model("XEON8480"), clock, workload=Constant(1.0))  # 350 W package, 45 W DRAM
+    fake = FakePowercap.for_sim(tmp_path, [sim])
+    (cpu,), problems = discover(fake)
+    assert problems == []
+    interval = cpu.max_read_interval_s()
+    # The DRAM zone reports no power constraint, so 1000 W is assumed: 262,143 J / 1000 W =
+    # 262 s (the package alone would allow 499 s; it really wraps every 749 s at 350 W).
+    assert interval == pytest.approx(262143.328850 / 1000.0, rel=1e-6)
+    assert cpu.package.max_read_interval_s() == pytest.approx(262143.328850 / 525.0, rel=1e-6)
+
+    def poll(_now: float) -> None:  # what the monitor's sampler thread does
+        fake.sync_from([sim])
+        cpu.poll()
+
+    timer = clock.every(interval, poll)
+    e0, d0 = cpu.package_energy_j(), cpu.dram_energy_j()
+    t0, true0, dtrue0 = clock.now(), sim.true_package_energy_j(), sim.true_dram_energy_j()
+    clock.advance(3600.0)  # one window of an hour: 4.8 package wraps
+    fake.sync_from([sim])
+    e1, d1 = cpu.package_energy_j(), cpu.dram_energy_j()
+    timer.cancel()
+    assert clock.now() - t0 == 3600.0
+    assert sim.true_package_energy_j() - true0 == pytest.approx(1_260_000.0)
+    # exact up to the counter's 1 ms update tick (0.35 J) and energy unit (61 µJ)
+    assert e1 - e0 == pytest.approx(1_260_000.0, abs=0.4)
+    assert d1 - d0 == pytest.approx(sim.true_dram_energy_j() - dtrue0, abs=0.1)
+    assert d1 - d0 == pytest.approx(162_000.0, abs=0.1)
+
+
+def test_without_polls_a_long_window_loses_whole_wraps(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    sim = SimCPU(cpu_model("XEON8480"), clock, workload=Constant(1.0))
+    fake = FakePowercap.for_sim(tmp_path, [sim])
+    (cpu,), _ = discover(fake)
+    e0 = cpu.package_energy_j()
+    clock.advance(3600.0)
+    fake.sync_from([sim])
+    lost = 1_260_000.0 - (cpu.package_energy_j() - e0)
+    wrap_j = fake.max_energy_range_uj(0, "package") * 1e-6
+    assert lost > wrap_j  # the polls are what make long windows right
+    assert lost / wrap_j == pytest.approx(round(lost / wrap_j), abs=1e-5)
+
+
+def test_max_read_interval(tmp_path: Path) -> None:
+    no_dram = FakePowercap(tmp_path / "a", packages=1, dram=False, max_power_uw=350_000_000)
+    (cpu,), _ = discover(no_dram)
+    assert cpu.max_read_interval_s() == pytest.approx(262143.328850 / (350 * 1.5))  # 499.3 s
+    # zones without power constraints (the fake's DRAM, some AMD packages) assume 1000 W
+    with_dram = FakePowercap(tmp_path / "b", packages=1, dram=True, max_power_uw=350_000_000,
+                             dram_max_energy_range_uj=65_712_999_613)
+    (cpu,), _ = discover(with_dram)
+    assert cpu.max_read_interval_s() == pytest.approx(65712.999613 / 1000.0)  # 65.7 s
+
+
+def test_concurrent_readers_never_see_a_false_wrap(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, max_energy_range_uj=50_000_000)
+    (cpu,), _ = discover(fake)
+    e0 = cpu.package_energy_j()
+    stop = threading.Event()
+    seen: list[list[float]] = [[] for _ in range(4)]
+
+    def reader(out: list[float]) -> None:
+        while not stop.is_set():
+            out.append(cpu.package_energy_j())
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in seen]
+    for t in threads:
+        t.start()
+    for _ in range(2_000):
+        fake.add_energy(0, "package", 0.5)  # a wrap every 100 steps
+        cpu.poll()  # the sampler's poll races with the readers
+    stop.set()
+    for t in threads:
+        t.join()
+    for s in seen:
+        assert all(b >= a for a, b in zip(s, s[1:], strict=False))
+    assert cpu.package_energy_j() - e0 == pytest.approx(1000.0, abs=1e-5)
+
+
+# -- permissions and unreadable zones ---------------------------------------------------------
+def test_unreadable_counters_give_a_problem_and_a_permission_error(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, readable=False)
+    cpus, problems = discover(fake, opener=fake.opener)
+    assert len(cpus) == 2  # still listed, so the user sees which packages exist
+    assert [p.device for p in problems] == ["CPU 0", "CPU 1"]
+    p = problems[0]
+    assert "not readable" in p.message and str(fake.zone_dir(0, "package") / "energy_uj") in p.message
+    assert f"sudo chmod a+r {fake.root}/*/energy_uj" in p.fix
+    assert "udev" in p.fix and "CVE-2020-8694" in p.fix
+    with pytest.raises(DevicePermissionError) as err:
+        cpus[0].package_energy_j()
+    assert p.message in str(err.value) and p.fix in str(err.value)
+    with pytest.raises(DevicePermissionError):
+        cpus[1].dram_energy_j()
+    assert cpus[0].describe()["readable"] is False
+    # after the fix, discovery reads the counters
+    fake.set_readable(True)
+    cpus, problems = discover(fake, opener=fake.opener)
+    assert problems == []
+    assert cpus[0].package_energy_j() == 0.0
+
+
+def test_zone_that_cannot_be_read_is_reported(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=True)
+
+    def opener(path: str, flags: int) -> int:
+        if "intel-rapl:0:2" in path:  # DRAM MSR unreadable, as in some virtual machines
+            raise OSError(errno.ENODATA, os.strerror(errno.ENODATA), path)
+        return os.open(path, flags)
+
+    (cpu,), problems = discover(fake, opener=opener)
+    assert len(problems) == 1 and "No data available" in problems[0].message
+    assert cpu.package_energy_j() == 0.0
+    with pytest.raises(NotSupportedError, match="No data available"):
+        cpu.dram_energy_j()
+
+
+# -- read cost ----------------------------------------------------------------------------------
+def test_files_are_opened_once_and_read_with_one_pread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakePowercap(tmp_path, packages=2, dram=True, psys=True)
+    opened: list[str] = []
+
+    def opener(path: str, flags: int) -> int:
+        opened.append(path)
+        return os.open(path, flags)
+
+    cpus, _ = discover(fake, opener=opener)
+    assert len(opened) == 5  # 2 packages + 2 DRAM + psys; core/uncore never opened
+    preads = 0
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, offset: int) -> bytes:
+        nonlocal preads
+        preads += 1
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    for _ in range(1_000):
+        cpus[1].package_energy_j()
+    assert preads == 1_000
+    for _ in range(1_000):
+        cpus[0].package_energy_j()  # package 0 also refreshes psys
+    assert preads == 3_000
+    assert len(opened) == 5  # no re-open per reading
+    monkeypatch.setattr(os, "pread", real_pread)
+
+    n = 20_000
+    t = time.perf_counter()
+    for _ in range(n):
+        cpus[0].package_energy_j()
+    per_read_us = (time.perf_counter() - t) / n * 1e6
+    # A few µs here (tmpfs); on real sysfs the kernel's MSR read adds a few µs more.
+    assert per_read_us < 100.0
