@@ -33,13 +33,18 @@ class _Zone:
     def power(self, u: float) -> float:
         return self.idle_w + u * (self.peak_w - self.idle_w)
 
-    def energy_at(self, t: float) -> float:
+    def _integral(self, t0: float, t1: float) -> float:
         w0 = self.workload_t0
-        extra = sum(
-            (b - a) * self.power(u)
-            for a, b, u in self.workload.pieces(self.t_settled - w0, t - w0)
-        ) if t > self.t_settled else 0.0
-        return self.e_settled + extra
+        return sum((b - a) * self.power(u) for a, b, u in self.workload.pieces(t0 - w0, t1 - w0))
+
+    def energy_at(self, t: float) -> float:
+        if t <= self.t_settled:
+            return self.e_settled
+        if t - self.t_settled > 4.0:  # move the settled point forward: O(lookback) queries
+            new_t = t - 2.0
+            self.e_settled += self._integral(self.t_settled, new_t)
+            self.t_settled = new_t
+        return self.e_settled + self._integral(self.t_settled, t)
 
     def set_workload(self, workload: Workload) -> None:
         now = self.clock.now()

@@ -27,6 +27,9 @@ class _Epoch:
     sm_cap_mhz: float
     workload: Workload
     workload_t0: float
+    # A later point of known energy, so queries cost O(lookback), not O(epoch length).
+    ck_t: float = -math.inf
+    ck_e: float = 0.0
 
 
 class SimGPU(GPU):
@@ -107,9 +110,17 @@ class SimGPU(GPU):
     def _energy_at(self, t: float) -> float:
         """True energy since creation at time ``t`` (exact)."""
         epoch = self._epoch_at(t)
-        if t >= epoch.t_start:
+        if t < epoch.t_start:
+            return epoch.e_start - self._integral(epoch, t, epoch.t_start)
+        if t < epoch.ck_t:
             return epoch.e_start + self._integral(epoch, epoch.t_start, t)
-        return epoch.e_start - self._integral(epoch, t, epoch.t_start)
+        if epoch.ck_t == -math.inf:
+            epoch.ck_t, epoch.ck_e = epoch.t_start, epoch.e_start
+        if t - epoch.ck_t > 4.0:  # sensors look back at most ~1 s: keep the checkpoint 2 s behind
+            new_t = t - 2.0
+            epoch.ck_e += self._integral(epoch, epoch.ck_t, new_t)
+            epoch.ck_t = new_t
+        return epoch.ck_e + self._integral(epoch, epoch.ck_t, t)
 
     def _new_epoch(self, **changes: object) -> None:
         now = self.clock.now()
