@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,9 @@ class _GPUEdge:
     energy: float  # J, on the device's own (counter or sampled-integral) scale
     uncertainty: float
     samples: int  # sampler's sample count at the edge
+    t: float = math.nan  # time of the counter read
+    counter: float = math.nan  # raw counter value read
+    tick: float = math.nan  # estimated time of the update that produced ``counter``
 
 
 @dataclass(slots=True)
@@ -146,7 +150,29 @@ class EnergyMonitor:
             c + power * since,
             spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
             samples,
+            t,
+            c,
+            tick,
         )
+
+    def _interpolated_begin(self, gpu: GPU, b: _GPUEdge, e: _GPUEdge) -> float:
+        """Energy reading at a window's begin edge, refined once later updates are known.
+
+        At the begin edge only the power before it is known; by the end, the counter's next
+        update after the edge usually is too, and interpolating between the two updates
+        around the edge is more accurate than extrapolating a power reading.
+        """
+        tracker = self.sampler.tracker(gpu.index)
+        if tracker is None or math.isnan(b.tick):
+            return b.energy
+        after = tracker.update_after(b.counter)
+        if after is None:
+            return b.energy
+        t_next, value = after
+        if not (b.t < t_next and value <= e.counter and t_next > b.tick):
+            return b.energy
+        rate = (value - b.counter) / (t_next - b.tick)
+        return b.counter + rate * (b.t - b.tick)
 
     def _edge(self, name: str) -> _Edge:
         if self._sync is not None:
@@ -260,12 +286,13 @@ class EnergyMonitor:
         gpu: dict[int, DeviceEnergy] = {}
         for k, g in enumerate(self.gpus):
             b, e = begin.gpu[k], end.gpu[k]
-            energy = max(0.0, e.energy - b.energy)
             if self._counter[k]:
+                energy = max(0.0, e.energy - self._interpolated_begin(g, b, e))
                 source = Source.COUNTER
                 corrected = elapsed < self._periods[k]
                 uncertainty = b.uncertainty + e.uncertainty
             else:
+                energy = max(0.0, e.energy - b.energy)
                 n = e.samples - b.samples
                 source = Source.SAMPLED if n >= 2 else Source.ESTIMATE
                 corrected = n < 2

@@ -13,10 +13,12 @@ wraparound is missed. For every GPU it keeps
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import math
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +48,11 @@ class CounterTracker:
         period_s: Nominal update period of the counter.
     """
 
-    __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock")
+    __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
+                 "_changes")
+
+    history = 64
+    """Counter updates remembered, for interpolating window edges after the fact."""
 
     def __init__(self, period_s: float) -> None:
         self.period = period_s
@@ -58,6 +64,8 @@ class CounterTracker:
         self._lo = -math.inf
         self._hi = -math.inf
         self._lock = threading.Lock()
+        # Recent updates: (new value, lo, hi), the update having happened in (lo, hi].
+        self._changes: deque[tuple[float, float, float]] = deque(maxlen=self.history)
 
     @property
     def locked(self) -> bool:
@@ -69,8 +77,13 @@ class CounterTracker:
         with self._lock:
             if t < self._last_t:
                 return  # a read that lost a race with a later one adds nothing
-            if self._last_value is not None and value != self._last_value:
+            if self._last_value is None:
+                # The update that produced the first value seen came within a period before.
+                self._lo, self._hi = t - self.period, t
+                self._changes.append((value, self._lo, self._hi))
+            elif value != self._last_value:
                 self._lo, self._hi = self._last_t, t
+                self._changes.append((value, self._lo, self._hi))
                 width = t - self._last_t
                 if width < self.period:
                     self._narrow(self._last_t % self.period, width)
@@ -94,25 +107,42 @@ class CounterTracker:
         else:
             self._arc_start, self._arc_len = best_start % period, max(best_len, 1e-6)
 
+    def _estimate(self, lo: float, hi: float) -> tuple[float, float]:
+        """Narrow an update known to lie in ``(lo, hi]`` with the learned phase."""
+        if self._arc_len < self.period:
+            period = self.period
+            start = self._arc_start + math.floor((hi - self._arc_start) / period) * period
+            for s in (start, start - period):
+                a, b = max(lo, s), min(hi, s + self._arc_len)
+                if b > a:
+                    lo, hi = a, b
+                    break
+        return (lo + hi) / 2.0, (hi - lo) / 2.0
+
     def update_time(self) -> tuple[float, float] | None:
         """When the update that produced the latest observed value happened.
 
-        Returns ``(estimate, half_width)``, or ``None`` before any change was observed.
+        Returns ``(estimate, half_width)``, or ``None`` before the first observation.
         The change interval seen by polling is intersected with the learned phase.
         """
         with self._lock:
-            lo, hi = self._lo, self._hi
-            if lo == -math.inf:
+            if self._lo == -math.inf:
                 return None
-            if self._arc_len < self.period:
-                period = self.period
-                start = self._arc_start + math.floor((hi - self._arc_start) / period) * period
-                for s in (start, start - period):
-                    a, b = max(lo, s), min(hi, s + self._arc_len)
-                    if b > a:
-                        lo, hi = a, b
-                        break
-            return (lo + hi) / 2.0, (hi - lo) / 2.0
+            return self._estimate(self._lo, self._hi)
+
+    def update_after(self, value: float) -> tuple[float, float] | None:
+        """The first remembered update that moved the counter past ``value``.
+
+        Returns ``(update time estimate, new value)``, or ``None`` when there was none yet
+        or it is no longer remembered.
+        """
+        with self._lock:
+            changes = self._changes
+            i = bisect.bisect_right(changes, value, key=lambda c: c[0])
+            if i == len(changes) or i == 0:
+                return None
+            new, lo, hi = changes[i]
+            return self._estimate(lo, hi)[0], new
 
 
 @dataclass

@@ -1,0 +1,89 @@
+"""The ``joules`` command line: ``info``, ``measure``, ``power``, ``demo``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from typer._click.exceptions import NoArgsIsHelpError
+
+from joules.devices.discovery import SIM_ENV
+from joules.errors import JoulesError
+
+app = typer.Typer(
+    name="joules",
+    help="Measure and optimize the energy of deep-learning work.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+SIM_HELP = (
+    f"Use simulated hardware, e.g. A100, H100x4, 'V100,A40' (also: {SIM_ENV}=SPEC). "
+    "Models: P100 V100 A40 A100 H100 H200; CPUs: XEON8480 XEON6248 EPYC7763; nocpu."
+)
+
+
+@app.callback()
+def _root(
+    sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
+) -> None:
+    """Measure and optimize the energy of deep-learning work."""
+    if sim is not None:
+        os.environ[SIM_ENV] = sim
+
+
+def use_sim(sim: str | None) -> None:
+    """Apply a command's ``--sim`` option (it wins over the environment)."""
+    if sim is not None:
+        os.environ[SIM_ENV] = sim
+
+
+def parse_indices(value: str | None, what: str) -> list[int] | None:
+    """Parse ``"0,2"`` into ``[0, 2]``; ``None`` means all, ``""``/``"none"`` means none."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.lower() in ("", "none"):
+        return []
+    out: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise JoulesError(f"bad {what} list {value!r}: expected indices like 0,1,3")
+        out.append(int(part))
+    return out
+
+
+def _register() -> None:
+    from joules.cli import demo, info, measure, power
+
+    for module in (info, measure, power, demo):
+        module.register(app)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; every expected error is one line on stderr and a non-zero exit code."""
+    try:
+        result = app(args=argv, prog_name="joules", standalone_mode=False)
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("joules: aborted", file=sys.stderr)
+        return 130
+    except NoArgsIsHelpError as e:
+        print(e.format_message())
+        return 2
+    except typer.TyperException as e:  # usage errors: unknown option, bad value...
+        print(f"joules: error: {e.format_message()}", file=sys.stderr)
+        return 2
+    except (JoulesError, ValueError, OSError) as e:
+        print(f"joules: error: {e}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
+

@@ -1,0 +1,109 @@
+"""``joules measure -- CMD``: time and energy of a whole command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from joules.cli import SIM_HELP, parse_indices, use_sim
+from joules.errors import JoulesError
+from joules.monitoring.measurement import Measurement
+from joules.monitoring.monitor import EnergyMonitor
+
+
+def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict[str, object]:
+    """The ``--json`` object of ``joules measure``."""
+
+    def zone(values: dict[int, float], measured: bool) -> dict[str, float] | None:
+        return {str(k): v for k, v in values.items()} if measured else None
+
+    return {
+        "command": command,
+        "exit_code": exit_code,
+        "time_s": m.elapsed_s,
+        "gpu_energy_j": {str(k): v for k, v in m.gpu_energy_j.items()},
+        "cpu_energy_j": zone(m.cpu_energy_j, bool(m.cpu)),
+        "dram_energy_j": zone(m.dram_energy_j, bool(m.dram)),
+        "total_energy_j": m.total_energy_j,
+        "uncertainty_j": m.uncertainty_j,
+        "sources": m.sources,
+    }
+
+
+def measurement_table(m: Measurement, title: str) -> Table:
+    """A table of time, energy and average power per device."""
+    t = Table(title=title)
+    for col, justify in (("device", "left"), ("energy (J)", "right"), ("± (J)", "right"),
+                         ("avg power (W)", "right"), ("source", "left")):
+        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for prefix, zones in (("GPU", m.gpu), ("CPU", m.cpu), ("DRAM", m.dram)):
+        for k, d in zones.items():
+            power = d.energy_j / m.elapsed_s if m.elapsed_s > 0 else 0.0
+            source = d.source.value + (" (corrected)" if d.corrected else "")
+            t.add_row(f"{prefix} {k}", f"{d.energy_j:,.2f}", f"{d.uncertainty_j:,.2f}",
+                      f"{power:,.1f}", source)
+    t.add_section()
+    t.add_row("total", f"{m.total_energy_j:,.2f}", f"{m.uncertainty_j:,.2f}",
+              f"{m.average_power_w:,.1f}", f"time {m.elapsed_s:,.3f} s")
+    return t
+
+
+def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
+    """Run ``command`` inside a window; return its exit code and the measurement.
+
+    Ctrl-C reaches the child (same process group); joules waits for it to end and still
+    reports what was measured.
+    """
+    monitor.begin_window("command")
+    try:
+        proc = subprocess.Popen(command)
+    except FileNotFoundError:
+        monitor.cancel_window("command")
+        raise JoulesError(f"command not found: {command[0]}") from None
+    except PermissionError:
+        monitor.cancel_window("command")
+        raise JoulesError(f"command not executable: {command[0]}") from None
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child handles Ctrl-C
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    m = monitor.end_window("command")
+    return (128 - code if code < 0 else code), m
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+
+    @app.command(context_settings={"allow_interspersed_args": False})
+    def measure(
+        command: list[str] = typer.Argument(None, metavar="-- CMD [ARGS...]", show_default=False),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+        gpus: str | None = typer.Option(None, "--gpus", metavar="LIST", help="GPU indices, e.g. 0,1."),
+        cpus: str | None = typer.Option(None, "--cpus", metavar="LIST",
+                                        help="CPU package indices; 'none' for none."),
+        log: str | None = typer.Option(None, "--log", metavar="FILE", help="Append the window to FILE."),
+        sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
+    ) -> int:
+        """Run a command and report its time, energy and average power per device."""
+        use_sim(sim)
+        if not command:
+            raise JoulesError("no command given (usage: joules measure [OPTIONS] -- CMD [ARGS...])")
+        monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
+        try:
+            code, m = run_measured(command, monitor)
+        finally:
+            monitor.close()
+        if as_json:
+            print(json.dumps(measurement_json(command, code, m)))
+        else:
+            Console(stderr=True).print(measurement_table(m, shlex.join(command)))
+        sys.stdout.flush()
+        return code

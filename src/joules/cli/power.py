@@ -1,0 +1,105 @@
+"""``joules power``: live power per device, then total energy per device."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from joules.cli import SIM_HELP, use_sim
+from joules.cli.measure import measurement_table
+from joules.errors import JoulesError
+from joules.monitoring.monitor import EnergyMonitor
+
+
+class _CpuPower:
+    """Power of CPU zones from counter differences between two polls."""
+
+    def __init__(self, monitor: EnergyMonitor) -> None:
+        self.monitor = monitor
+        self.last = self._read()
+
+    def _read(self) -> tuple[float, dict[str, float]]:
+        values: dict[str, float] = {}
+        for c in self.monitor.cpus:
+            values[f"cpu{c.index}"] = c.package_energy_j()
+            if c.has_dram():
+                values[f"dram{c.index}"] = c.dram_energy_j()
+        return self.monitor.clock.now(), values
+
+    def poll(self) -> dict[str, float]:
+        t0, e0 = self.last
+        self.last = t1, e1 = self._read()
+        dt = t1 - t0
+        return {k: (e1[k] - e0[k]) / dt if dt > 0 else 0.0 for k in e1}
+
+
+def _table(sample: dict[str, float], elapsed: float) -> Table:
+    t = Table(title=f"power (W) — {elapsed:,.1f} s")
+    t.add_column("device")
+    t.add_column("power (W)", justify="right")
+    for k, v in sample.items():
+        t.add_row(k, f"{v:,.1f}")
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+
+    @app.command()
+    def power(
+        interval: float = typer.Option(1.0, "--interval", metavar="S", help="Seconds between readings."),
+        duration: float | None = typer.Option(None, "--duration", metavar="S",
+                                              help="Stop after S seconds (default: until Ctrl-C)."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object per reading, then totals."),
+        sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
+    ) -> None:
+        """Show live power per device; on Ctrl-C or after --duration, total energy per device."""
+        if interval <= 0:
+            raise JoulesError(f"--interval must be positive, got {interval:g}")
+        if duration is not None and duration <= 0:
+            raise JoulesError(f"--duration must be positive, got {duration:g}")
+        use_sim(sim)
+        monitor = EnergyMonitor()
+        cpu_power = _CpuPower(monitor)
+        console = Console()
+        start = time.monotonic()
+        monitor.begin_window("power")
+
+        def sample() -> dict[str, float]:
+            out = {f"gpu{g.index}": g.power_w() for g in monitor.gpus}
+            out.update(cpu_power.poll())
+            return out
+
+        try:
+            view = nullcontext() if as_json else Live(console=console, auto_refresh=False)
+            with view as live:
+                while True:
+                    remaining = None if duration is None else duration - (time.monotonic() - start)
+                    if remaining is not None and remaining <= 0:
+                        break
+                    time.sleep(interval if remaining is None else min(interval, remaining))
+                    reading = sample()
+                    elapsed = time.monotonic() - start
+                    if as_json:
+                        print(json.dumps({"time_s": round(elapsed, 3), "power_w": reading}), flush=True)
+                    else:
+                        live.update(_table(reading, elapsed), refresh=True)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            m = monitor.end_window("power")
+            monitor.close()
+        if as_json:
+            print(json.dumps({"time_s": m.elapsed_s, "energy_j": {
+                **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
+                **{f"cpu{k}": v for k, v in m.cpu_energy_j.items()},
+                **{f"dram{k}": v for k, v in m.dram_energy_j.items()},
+            }, "total_energy_j": m.total_energy_j}))
+        else:
+            console.print(measurement_table(m, "energy"))
