@@ -31,13 +31,15 @@ def _root(
     sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
 ) -> None:
     """Measure and optimize the energy of deep-learning work."""
-    if sim is not None:
-        os.environ[SIM_ENV] = sim
+    use_sim(sim)
 
 
 def use_sim(sim: str | None) -> None:
-    """Apply a command's ``--sim`` option (it wins over the environment)."""
+    """Apply a command's ``--sim`` option (it wins over the environment), checking it first."""
     if sim is not None:
+        from joules.devices.sim import parse_spec
+
+        parse_spec(sim)
         os.environ[SIM_ENV] = sim
 
 

@@ -109,6 +109,7 @@ class Simulator:
         """The simulated devices as a :class:`DeviceSet`."""
         return DeviceSet(
             gpus=list(self.gpus), cpus=list(self.cpus), clock=self.clock,
+            problems=[p for d in [*self.gpus, *self.cpus] for p in d.problems()],
             backend=f"sim:{self.spec}", simulator=self,
         )
 

@@ -1,0 +1,152 @@
+"""The joules command line, through its real entry points."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from joules.cli import main
+from joules.cli.demo import run_demo
+
+JOULES = str(Path(sys.executable).parent / "joules")
+
+
+def joules(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([JOULES, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _no_sim_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JOULES_SIM", raising=False)
+
+
+def test_info_json_lists_simulated_devices() -> None:
+    r = joules("info", "--json", "--sim", "A100x2,EPYC7763")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["backend"] == "sim:A100x2,EPYC7763"
+    assert [g["name"] for g in info["gpus"]] == ["NVIDIA A100-SXM4-40GB"] * 2
+    assert info["gpus"][0]["power_limit_range_w"] == [100.0, 400.0]
+    assert info["gpus"][0]["energy_counter"] is True
+    assert info["cpus"][0]["dram"] is False  # AMD packages have no DRAM zone
+
+
+def test_info_reports_problem_with_fix_for_gpu_without_counter() -> None:
+    r = joules("info", "--json", "--sim", "P100")
+    problems = json.loads(r.stdout)["problems"]
+    assert any("no energy counter" in p["message"] and p["fix"] for p in problems)
+
+
+def test_info_without_hardware_lists_problems(capsys: pytest.CaptureFixture[str]) -> None:
+    # This machine (and CI) has no GPU and no RAPL: info still works and says why.
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    if not info["gpus"]:
+        assert info["problems"], "no GPU found must come with a reason"
+
+
+def test_measure_json_reports_energy_per_device() -> None:
+    r = joules("measure", "--json", "--sim", "H100", "--", sys.executable, "-c",
+               "import time; time.sleep(0.4)")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(out) == {"command", "exit_code", "time_s", "gpu_energy_j", "cpu_energy_j",
+                        "dram_energy_j", "total_energy_j", "uncertainty_j", "sources"}
+    assert out["exit_code"] == 0
+    assert 0.4 <= out["time_s"] < 3.0
+    # An idle simulated H100 draws 70 W; the Xeon 8480 package 95 W and its DRAM 12 W.
+    assert out["gpu_energy_j"]["0"] == pytest.approx(70 * out["time_s"], rel=0.25)
+    assert out["cpu_energy_j"]["0"] == pytest.approx(95 * out["time_s"], rel=0.1)
+    assert out["dram_energy_j"]["0"] == pytest.approx(12 * out["time_s"], rel=0.1)
+    assert out["total_energy_j"] == pytest.approx(
+        out["gpu_energy_j"]["0"] + out["cpu_energy_j"]["0"] + out["dram_energy_j"]["0"])
+    assert out["sources"]["gpu0"].startswith("counter")
+
+
+def test_measure_table_goes_to_stderr_and_exit_code_passes_through() -> None:
+    r = joules("measure", "--sim", "A100", "--", "sh", "-c", "echo child-output; exit 3")
+    assert r.returncode == 3
+    assert r.stdout == "child-output\n"
+    assert "GPU 0" in r.stderr and "total" in r.stderr
+
+
+def test_measure_command_killed_by_signal() -> None:
+    r = joules("measure", "--sim", "A100", "--", "sh", "-c", "kill -TERM $$")
+    assert r.returncode == 128 + 15
+
+
+def test_measure_cpus_none_and_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "runs.csv"
+    code = main(["measure", "--sim", "A100x2", "--json", "--gpus", "1", "--cpus", "none",
+                 "--log", str(log), "--", "true"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(out["gpu_energy_j"]) == ["1"]
+    assert out["cpu_energy_j"] is None and out["dram_energy_j"] is None
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("name,host,start_time,elapsed_s,total_energy_j")
+    assert len(lines) == 2 and "gpu1_energy_j" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["measure", "--sim", "A100"], "no command given"),
+        (["measure", "--sim", "A100", "--gpus", "5", "--", "true"], "GPU index 5 not found"),
+        (["measure", "--sim", "A100", "--gpus", "a,b", "--", "true"], "bad GPU list"),
+        (["measure", "--sim", "Z900", "--", "true"], "unknown model 'Z900'"),
+        (["measure", "--sim", "A100", "--", "no-such-command-xyz"], "command not found"),
+        (["info", "--sim", ""], "empty simulated-hardware SPEC"),
+        (["power", "--sim", "A100", "--interval", "0"], "--interval must be positive"),
+        (["info", "--bogus"], "No such option"),
+    ],
+)
+def test_bad_input_gets_one_line_error(args: list[str], message: str) -> None:
+    r = joules(*args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("joules: error:") and message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_power_json_reports_readings_then_totals() -> None:
+    r = joules("power", "--sim", "A100x2", "--interval", "0.1", "--duration", "0.5", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    readings, total = rows[:-1], rows[-1]
+    assert 3 <= len(readings) <= 6
+    assert set(readings[0]["power_w"]) == {"gpu0", "gpu1", "cpu0", "dram0"}
+    assert readings[-1]["power_w"]["gpu0"] == pytest.approx(55.0, abs=1.0)  # idle A100
+    assert total["time_s"] == pytest.approx(0.5, abs=0.3)
+    assert total["energy_j"]["gpu0"] == pytest.approx(55.0 * total["time_s"], rel=0.3)
+
+
+def test_power_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["power", "--sim", "V100", "--interval", "0.1", "--duration", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "energy" in out and "GPU 0" in out
+
+
+def test_demo_measures_epochs_close_to_truth() -> None:
+    rows = run_demo("A100x2", epochs=2, steps=10, real_seconds=0)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["time_s"] == pytest.approx(10 * 0.35 + 6.0)
+        assert row["gpu_energy_j"] == pytest.approx(row["true_gpu_energy_j"], rel=0.005)
+        assert row["cpu_dram_energy_j"] > 0
+
+
+def test_demo_command_runs() -> None:
+    r = joules("demo", "--fast", "--epochs", "1", "--steps", "5", "--sim", "H100,V100")
+    assert r.returncode == 0, r.stderr
+    assert "per-epoch energy" in r.stdout and "Total GPU energy" in r.stdout
+
+
+def test_no_arguments_prints_help() -> None:
+    r = joules()
+    assert "measure" in r.stdout and "info" in r.stdout
