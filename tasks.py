@@ -30,7 +30,7 @@ def run(*cmd: str | Path, check: bool = True) -> int:
 
 def ensure_venv(extras: str = "") -> None:
     """Create .venv if needed and install joules (editable) with the given extras."""
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - tasks.py may be run by an older python3
         sys.exit(f"joules needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not PY.exists():
         run(sys.executable, "-m", "venv", VENV)

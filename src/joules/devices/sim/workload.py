@@ -65,7 +65,8 @@ class Periodic(Workload):
     def pieces(self, t0: float, t1: float) -> Iterator[tuple[float, float, float]]:
         cycle = math.floor(t0 / self.period)
         base = cycle * self.period
-        i = bisect.bisect_right(self._starts, t0 - base) - 1
+        # max: t0 / period may round up to a whole cycle when t0 lies a hair before it.
+        i = max(0, bisect.bisect_right(self._starts, t0 - base) - 1)
         t = t0
         while True:
             d, u = self.phases[i]
