@@ -26,6 +26,7 @@ R = TypeVar("R")
 
 # Counter resolution of NVML (1 mJ) and RAPL-scale resolution used in uncertainty bounds.
 _GPU_COUNTER_RESOLUTION_J = 0.001
+_GPU_POWER_RESOLUTION_W = 0.001  # NVML power readings are whole milliwatts
 _RAPL_EDGE_S = 0.002
 
 
@@ -298,8 +299,10 @@ class EnergyMonitor:
                 corrected = n < 2
                 interval = self.sampler.interval_s
                 spread = self.sampler.power_spread(g.index)
-                # Edges fall up to one interval from a sample: power may differ by the spread.
-                uncertainty = spread * min(elapsed, 2 * interval)
+                # Edges fall up to one interval from a sample: power may differ by the spread
+                # there, however short the window (a sample taken inside a short window
+                # revises the power assumed at its begin edge).
+                uncertainty = spread * 2 * interval + _GPU_POWER_RESOLUTION_W * elapsed
             gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.uuid)
         cpu: dict[int, DeviceEnergy] = {}
         dram: dict[int, DeviceEnergy] = {}

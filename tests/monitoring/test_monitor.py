@@ -1,0 +1,693 @@
+from __future__ import annotations
+
+import csv
+import json
+import random
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from joules.clock import VirtualClock
+from joules.devices.base import DeviceSet
+from joules.devices.sim import Constant, Periodic, SimCPU, SimGPU, Simulator, Workload
+from joules.devices.sim.catalog import cpu_model, gpu_model
+from joules.errors import DeviceNotFoundError, WindowError
+from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
+from joules.monitoring.monitor import EnergyMonitor
+from joules.monitoring.sync import make_sync
+
+A100 = gpu_model("A100")
+XEON = cpu_model("XEON8480")
+
+
+def setup(spec: str, workload: Workload | None = None, warm: float = 2.0, **kwargs: object):
+    sim = Simulator(spec)
+    if workload is not None:
+        sim.set_workload(workload)
+    mon = EnergyMonitor(devices=sim.devices(), **kwargs)  # type: ignore[arg-type]
+    sim.advance(warm)
+    return sim, mon
+
+
+class Truth:
+    """Ground-truth energy of every simulated device since creation, at one instant."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.gpu = {g.index: g.true_energy_j() for g in sim.gpus}
+        self.cpu = {c.index: c.true_package_energy_j() for c in sim.cpus}
+        self.dram = {c.index: c.true_dram_energy_j() for c in sim.cpus if c.has_dram()}
+
+    def since(self, earlier: Truth) -> dict[str, dict[int, float]]:
+        return {
+            kind: {k: getattr(self, kind)[k] - getattr(earlier, kind)[k] for k in getattr(self, kind)}
+            for kind in ("gpu", "cpu", "dram")
+        }
+
+
+def zones(m: Measurement) -> dict[str, dict[int, DeviceEnergy]]:
+    return {"gpu": m.gpu, "cpu": m.cpu, "dram": m.dram}
+
+
+def measure_span(sim: Simulator, mon: EnergyMonitor, name: str, seconds: float):
+    before = Truth(sim)
+    mon.begin_window(name)
+    sim.advance(seconds)
+    m = mon.end_window(name)
+    return m, Truth(sim).since(before)
+
+
+# -- accuracy against ground truth ------------------------------------------------------------
+def test_steady_windows_are_accurate_and_within_uncertainty() -> None:
+    sim, mon = setup("A100x2,V100,H100,XEON8480x2", Constant(0.7))
+    rng = random.Random(7)
+    for i in range(12):
+        sim.advance(rng.uniform(0.0, 0.3))
+        m, truth = measure_span(sim, mon, f"w{i}", rng.uniform(2.0, 6.0))
+        assert set(m.gpu) == {0, 1, 2, 3} and set(m.cpu) == {0, 1} and set(m.dram) == {0, 1}
+        for kind, measured in zones(m).items():
+            for k, d in measured.items():
+                true = truth[kind][k]
+                assert d.source is Source.COUNTER and not d.corrected
+                assert abs(d.energy_j - true) / true < 1e-3, (kind, k)
+                assert d.uncertainty_j >= 0.0
+                assert abs(d.energy_j - true) <= d.uncertainty_j + 1e-9, (kind, k)
+        assert m.total_energy_j == pytest.approx(sum(sum(v.values()) for v in truth.values()), rel=1e-3)
+    mon.close()
+
+
+def test_steady_gpu_counter_edges_are_good_to_a_millisecond() -> None:
+    sim, mon = setup("A100,H100,nocpu", Constant(0.5))
+    for length in (0.35, 1.0, 3.7):
+        m, truth = measure_span(sim, mon, "w", length)
+        for k, d in m.gpu.items():
+            power = sim.gpus[k].true_power_w()
+            assert abs(d.energy_j - truth["gpu"][k]) <= power * 0.001
+            assert abs(d.energy_j - truth["gpu"][k]) <= d.uncertainty_j
+
+
+def test_bursty_windows_beat_the_naive_counter_difference() -> None:
+    sim, mon = setup("A100x2,H100,nocpu", Periodic([(0.25, 1.0), (0.15, 0.0), (0.33, 0.5)]), warm=3.0)
+    rng = random.Random(3)
+    errors: list[float] = []
+    naive_errors: list[float] = []
+    for i in range(60):
+        sim.advance(rng.uniform(0.0, 0.3))
+        c0 = {g.index: g.energy_j() for g in sim.gpus}
+        m, truth = measure_span(sim, mon, f"b{i}", rng.uniform(0.3, 2.0))
+        for g in sim.gpus:
+            true = truth["gpu"][g.index]
+            err = abs(m.gpu[g.index].energy_j - true)
+            naive = abs(g.energy_j() - c0[g.index] - true)
+            # Each edge is off by at most one counter period at the worst power swing.
+            swing = g.model.peak_w - g.model.idle_w
+            assert err <= 2 * g.model.counter_period_s * swing + 1.0
+            assert m.gpu[g.index].uncertainty_j >= 0.0
+            errors.append(err / true)
+            naive_errors.append(naive / true)
+    mean, naive_mean = sum(errors) / len(errors), sum(naive_errors) / len(naive_errors)
+    assert mean < 0.05
+    assert mean < 0.6 * naive_mean
+
+
+def test_short_windows_are_corrected_not_zero() -> None:
+    sim, mon = setup("A100,V100,nocpu", Constant(0.5))
+    rng = random.Random(11)
+    for i in range(30):
+        sim.advance(rng.uniform(0.0, 0.2))
+        length = rng.uniform(0.002, 0.09)  # shorter than the A100's 100 ms counter period
+        m, truth = measure_span(sim, mon, f"s{i}", length)
+        a100 = m.gpu[0]
+        assert a100.energy_j > 0.0
+        assert a100.corrected and a100.source is Source.COUNTER
+        assert a100.energy_j == pytest.approx(truth["gpu"][0], rel=5e-3)
+        assert abs(a100.energy_j - truth["gpu"][0]) <= a100.uncertainty_j
+        assert "gpu0" in m.sources and m.sources["gpu0"] == "counter+corrected"
+        v100 = m.gpu[1]  # 20 ms counter
+        assert v100.corrected == (m.elapsed_s < 0.02)
+        assert v100.energy_j == pytest.approx(truth["gpu"][1], rel=5e-3)
+
+
+def test_short_window_right_after_start() -> None:
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(1.0))
+    sim.advance(2.0)
+    mon = EnergyMonitor(devices=sim.devices())  # knows nothing yet of the counter's timing
+    m, truth = measure_span(sim, mon, "cold", 0.03)
+    d = m.gpu[0]
+    assert d.corrected
+    assert d.energy_j > 0.0
+    assert abs(d.energy_j - truth["gpu"][0]) <= d.uncertainty_j
+
+
+def test_gpu_without_counter_is_sampled() -> None:
+    sim, mon = setup("P100,A100,nocpu", Constant(0.6))
+    m, truth = measure_span(sim, mon, "long", 3.0)
+    p100 = m.gpu[0]
+    assert p100.source is Source.SAMPLED and not p100.corrected
+    assert p100.energy_j == pytest.approx(truth["gpu"][0], rel=1e-4)
+    assert 0.0 <= abs(p100.energy_j - truth["gpu"][0]) <= p100.uncertainty_j
+    assert m.gpu[1].source is Source.COUNTER
+    assert m.sources == {"gpu0": "sampled", "gpu1": "counter"}
+    # Shorter than the sampling interval: a reading times the elapsed time.
+    interval = mon.sampler.interval_s
+    sim.advance(interval / 3)
+    m, truth = measure_span(sim, mon, "short", interval / 2)
+    p100 = m.gpu[0]
+    assert p100.source is Source.ESTIMATE and p100.corrected
+    assert m.sources["gpu0"] == "estimate+corrected"
+    assert p100.energy_j == pytest.approx(truth["gpu"][0], rel=1e-4)
+    assert abs(p100.energy_j - truth["gpu"][0]) <= p100.uncertainty_j
+
+
+def test_sampled_gpu_windows_within_uncertainty_at_any_length() -> None:
+    sim, mon = setup("P100,nocpu", Constant(0.7))
+    rng = random.Random(5)
+    for i in range(40):
+        sim.advance(rng.uniform(0.0, 0.3))
+        m, truth = measure_span(sim, mon, f"p{i}", rng.uniform(0.002, 1.0))
+        d = m.gpu[0]
+        assert abs(d.energy_j - truth["gpu"][0]) <= d.uncertainty_j, i
+
+
+def test_sampled_gpu_tracks_slow_changes() -> None:
+    sim, mon = setup("P100,nocpu", Periodic([(1.0, 1.0), (1.0, 0.0)]))
+    m, truth = measure_span(sim, mon, "w", 10.0)
+    assert m.gpu[0].energy_j == pytest.approx(truth["gpu"][0], rel=0.01)
+
+
+def test_rapl_wraps_during_a_long_window_are_exact() -> None:
+    clock = VirtualClock()
+    cpu = SimCPU(XEON.with_overrides(wrap_j=200.0), clock, workload=Constant(1.0))
+    gpu = SimGPU(A100, clock, workload=Constant(0.5))
+    devices = DeviceSet(gpus=[gpu], cpus=[cpu], clock=clock, backend="test")
+    mon = EnergyMonitor(devices=devices)
+    clock.advance(1.0)
+    p0, d0 = cpu.true_package_energy_j(), cpu.true_dram_energy_j()
+    mon.begin_window("long")
+    clock.advance(120.0)  # 42 kJ: about 210 wraps of the package counter
+    m = mon.end_window("long")
+    true_pkg = cpu.true_package_energy_j() - p0
+    true_dram = cpu.true_dram_energy_j() - d0
+    assert true_pkg == pytest.approx(350.0 * 120.0)
+    assert m.cpu[0].energy_j == pytest.approx(true_pkg, rel=1e-5)
+    assert abs(m.cpu[0].energy_j - true_pkg) <= m.cpu[0].uncertainty_j
+    assert m.dram[0].energy_j == pytest.approx(true_dram, rel=1e-5)
+    assert m.gpu[0].energy_j == pytest.approx(227.5 * 120.0, rel=1e-4)
+
+
+# -- windows ----------------------------------------------------------------------------------
+def test_nested_and_overlapping_windows() -> None:
+    sim, mon = setup("A100,XEON8480", Constant(0.5))
+    t0 = Truth(sim)
+    mon.begin_window("outer")
+    sim.advance(1.0)
+    t1 = Truth(sim)
+    mon.begin_window("inner")
+    mon.begin_window("a")
+    sim.advance(2.0)
+    t2 = Truth(sim)
+    inner = mon.end_window("inner")
+    mon.begin_window("b")
+    assert sorted(mon.open_windows) == ["a", "b", "outer"]
+    sim.advance(1.5)
+    t3 = Truth(sim)
+    a = mon.end_window("a")
+    sim.advance(0.5)
+    t4 = Truth(sim)
+    outer = mon.end_window("outer")
+    b = mon.end_window("b")
+    assert mon.open_windows == []
+    for m, (start, end) in ((outer, (t0, t4)), (inner, (t1, t2)), (a, (t1, t3)), (b, (t2, t4))):
+        truth = end.since(start)
+        for kind, measured in zones(m).items():
+            for k, d in measured.items():
+                assert d.energy_j == pytest.approx(truth[kind][k], rel=2e-3), (m.name, kind)
+    assert [outer.elapsed_s, inner.elapsed_s, a.elapsed_s, b.elapsed_s] == pytest.approx([5.0, 2.0, 3.5, 2.0])
+    assert inner.start_time - outer.start_time == pytest.approx(1.0)
+    assert inner.total_energy_j < a.total_energy_j < outer.total_energy_j
+    assert mon.last["inner"] is inner and mon.last["outer"] is outer
+
+
+def test_adjacent_windows_add_up() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.8))
+    mon.begin_window("whole")
+    parts = []
+    for i in range(5):
+        mon.begin_window(f"p{i}")
+        sim.advance(0.77)
+        parts.append(mon.end_window(f"p{i}"))
+    whole = mon.end_window("whole")
+    assert sum(p.gpu[0].energy_j for p in parts) == pytest.approx(whole.gpu[0].energy_j, rel=1e-3)
+    assert sum(p.elapsed_s for p in parts) == pytest.approx(whole.elapsed_s)
+
+
+def test_window_errors() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5), warm=0.1)
+    mon.begin_window("x")
+    with pytest.raises(WindowError, match="'x' is already open"):
+        mon.begin_window("x")
+    assert mon.open_windows == ["x"]
+    mon.end_window("x")
+    with pytest.raises(WindowError, match="no open window named 'x'"):
+        mon.end_window("x")
+    with pytest.raises(WindowError, match="no open window named 'never'"):
+        mon.end_window("never")
+    with pytest.raises(WindowError, match="no open window"):
+        mon.cancel_window("never")
+    assert isinstance(WindowError("x"), Exception)
+
+
+def test_cancel_window() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5), warm=0.1)
+    mon.begin_window("c")
+    sim.advance(1.0)
+    mon.cancel_window("c")
+    assert mon.open_windows == [] and "c" not in mon.last
+    with pytest.raises(WindowError):
+        mon.end_window("c")
+    mon.begin_window("c")  # the name is free again
+    sim.advance(1.0)
+    m = mon.end_window("c")
+    assert m.elapsed_s == pytest.approx(1.0)
+
+
+def test_restart_window() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+    mon.begin_window("r")
+    sim.advance(1.0)
+    mon.restart_window("r")
+    sim.advance(2.0)
+    m = mon.end_window("r")
+    assert m.elapsed_s == pytest.approx(2.0)
+    assert m.gpu[0].energy_j == pytest.approx(227.5 * 2.0, rel=1e-4)
+    mon.restart_window("fresh")  # not open: simply opens it
+    assert mon.open_windows == ["fresh"]
+
+
+def test_window_context_manager() -> None:
+    sim, mon = setup("A100,XEON8480", Constant(0.5))
+    with mon.window("block") as w:
+        assert w.name == "block" and w.measurement is None
+        assert mon.open_windows == ["block"]
+        sim.advance(1.5)
+    assert mon.open_windows == []
+    assert w.measurement is not None
+    assert w.measurement is mon.last["block"]
+    assert w.measurement.elapsed_s == pytest.approx(1.5)
+    assert w.measurement.gpu[0].energy_j == pytest.approx(227.5 * 1.5, rel=1e-3)
+    # The same name may be open several times at once through the context manager.
+    with mon.window("same") as o, mon.window("same") as i:
+        sim.advance(0.5)
+    assert o.measurement is not None and i.measurement is not None
+    # and alongside a begin/end window of that name.
+    mon.begin_window("block")
+    with mon.window("block"):
+        sim.advance(0.1)
+    mon.end_window("block")
+
+
+def test_window_context_manager_cancels_on_exception() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+    with pytest.raises(KeyError, match="boom"):
+        with mon.window("failing") as w:
+            sim.advance(1.0)
+            raise KeyError("boom")
+    assert w.measurement is None
+    assert mon.open_windows == []
+    assert "failing" not in mon.last
+
+
+def test_measure_decorator() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+
+    @mon.measure()
+    def step(seconds: float, *, scale: int = 1) -> int:
+        """Docstring kept."""
+        sim.advance(seconds)
+        return 42 * scale
+
+    @mon.measure("named")
+    def other() -> None:
+        sim.advance(0.25)
+
+    assert step(0.5, scale=2) == 84
+    assert step.__doc__ == "Docstring kept." and step.__name__ == "step"
+    key = "test_measure_decorator.<locals>.step"
+    m = mon.last[key]
+    assert m.name == key and m.elapsed_s == pytest.approx(0.5)
+    assert m.gpu[0].energy_j == pytest.approx(227.5 * 0.5, rel=1e-3)
+    other()
+    assert mon.last["named"].elapsed_s == pytest.approx(0.25)
+
+    @mon.measure("fails")
+    def bad() -> None:
+        raise RuntimeError("nope")
+
+    with pytest.raises(RuntimeError, match="nope"):
+        bad()
+    assert "fails" not in mon.last and mon.open_windows == []
+
+
+def test_measure_decorator_concurrent_calls_on_real_clock() -> None:
+    sim = Simulator.realtime("A100,nocpu")
+    sim.set_workload(Constant(0.5))  # 227.5 W
+    with EnergyMonitor(devices=sim.devices()) as mon:
+        results: list[Measurement] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        @mon.measure("work")
+        def work(i: int) -> int:
+            time.sleep(0.02)
+            return i
+
+        def run(i: int) -> None:
+            try:
+                for _ in range(3):
+                    assert work(i) == i
+                    with lock:
+                        results.append(mon.last["work"])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        time.sleep(0.25)  # let the power sensor catch up with the workload set at start
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(results) == 24 and all(m.name == "work" for m in results)
+        assert mon.open_windows == []
+        assert all(m.elapsed_s >= 0.019 and m.gpu[0].energy_j >= 0.0 for m in results)
+        ratios = sorted(m.gpu[0].energy_j / (227.5 * m.elapsed_s) for m in results)
+        assert 0.5 < ratios[len(ratios) // 2] < 2.0  # the median window is about right
+    assert not mon.sampler.running
+
+
+def test_many_threads_open_and_close_windows() -> None:
+    sim, mon = setup("A100x2,XEON8480", Constant(0.5))
+    n = 12
+    start = threading.Barrier(n + 1)
+    stop = threading.Barrier(n + 1)
+    out: dict[str, Measurement] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        try:
+            mon.begin_window(f"t{i}")
+            with mon.window("shared") as w:
+                start.wait()
+                stop.wait()
+            m = mon.end_window(f"t{i}")
+            with lock:
+                out[f"t{i}"] = m
+                out[f"shared{i}"] = w.measurement  # type: ignore[assignment]
+            # Then a burst of zero-length windows from every thread at once.
+            for j in range(50):
+                mon.begin_window(f"t{i}-{j}")
+                with mon.window("burst"):
+                    pass
+                mon.end_window(f"t{i}-{j}")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    start.wait()
+    before = Truth(sim)
+    sim.advance(1.0)
+    truth = Truth(sim).since(before)
+    stop.wait()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert mon.open_windows == []
+    assert len(out) == 2 * n
+    for m in out.values():
+        assert m.elapsed_s == pytest.approx(1.0)
+        for kind, measured in zones(m).items():
+            for k, d in measured.items():
+                assert d.energy_j == pytest.approx(truth[kind][k], rel=1e-3)
+
+
+# -- device selection -------------------------------------------------------------------------
+def test_gpu_and_cpu_selection() -> None:
+    sim, mon = setup("A100x4,XEON8480x2", Constant(0.5), gpu_indices=[1, 3], cpu_indices=[1])
+    assert [g.index for g in mon.gpus] == [1, 3] and [c.index for c in mon.cpus] == [1]
+    m, truth = measure_span(sim, mon, "sel", 1.0)
+    assert set(m.gpu) == {1, 3} and set(m.cpu) == {1} and set(m.dram) == {1}
+    assert m.gpu[3].energy_j == pytest.approx(truth["gpu"][3], rel=1e-4)
+    assert m.gpu[1].device_id == sim.gpus[1].uuid
+    assert m.cpu[1].device_id.endswith("/cpu1") and m.dram[1].device_id.endswith("/dram1")
+
+
+def test_no_cpus() -> None:
+    sim, mon = setup("A100,XEON8480", Constant(0.5), cpu_indices=[])
+    m, _ = measure_span(sim, mon, "gpu-only", 1.0)
+    assert m.cpu == {} and m.dram == {}
+    assert m.total_energy_j == pytest.approx(m.gpu[0].energy_j)
+    assert mon.sampler.cpus == []
+
+
+def test_bad_indices() -> None:
+    sim = Simulator("A100x4,XEON8480")
+    with pytest.raises(DeviceNotFoundError, match=r"GPU index 7 not found \(available: 0, 1, 2, 3\)"):
+        EnergyMonitor(devices=sim.devices(), gpu_indices=[0, 7])
+    with pytest.raises(DeviceNotFoundError, match=r"CPU index 2 not found \(available: 0\)"):
+        EnergyMonitor(devices=sim.devices(), cpu_indices=[2])
+    with pytest.raises(DeviceNotFoundError, match="available: none"):
+        EnergyMonitor(devices=Simulator("nocpu").devices(), gpu_indices=[0])
+
+
+def test_amd_cpu_without_dram() -> None:
+    sim, mon = setup("A100,EPYC7763", Constant(0.5))
+    m, truth = measure_span(sim, mon, "w", 2.0)
+    assert m.dram == {}
+    assert m.cpu[0].energy_j == pytest.approx(truth["cpu"][0], rel=1e-3)
+
+
+# -- logging ----------------------------------------------------------------------------------
+def test_log_jsonl_appends_and_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "windows.jsonl"
+    sim, mon = setup("A100,XEON8480", Constant(0.5), log=path)
+    m1, _ = measure_span(sim, mon, "one", 1.0)
+    m2, _ = measure_span(sim, mon, "two", 0.05)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    assert Measurement.from_dict(json.loads(lines[0])) == m1
+    assert Measurement.from_dict(json.loads(lines[1])) == m2
+    mon.close()
+    mon.close()  # idempotent
+    mon2 = EnergyMonitor(devices=sim.devices(), log=str(path))
+    m3, _ = measure_span(sim, mon2, "three", 1.0)
+    mon2.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    assert json.loads(lines[2])["name"] == "three"
+    assert Measurement.from_dict(json.loads(lines[2])) == m3
+
+
+def test_log_csv_header_once_and_reopen_appends(tmp_path: Path) -> None:
+    path = tmp_path / "windows.csv"
+    sim, mon = setup("A100x2,XEON8480", Constant(0.5), log=path)
+    m1, _ = measure_span(sim, mon, "one", 1.0)
+    m2, _ = measure_span(sim, mon, "two", 0.05)
+    mon.close()
+    with EnergyMonitor(devices=sim.devices(), log=path) as mon2:
+        measure_span(sim, mon2, "three", 1.0)
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    assert header[:6] == ["name", "host", "start_time", "elapsed_s", "total_energy_j", "uncertainty_j"]
+    assert "gpu0_energy_j" in header and "gpu1_source" in header and "dram0_energy_j" in header
+    assert [r[0] for r in rows[1:]] == ["one", "two", "three"]
+    assert sum(r == header for r in rows) == 1
+    by_name = {r[0]: dict(zip(header, r, strict=True)) for r in rows[1:]}
+    assert float(by_name["one"]["gpu0_energy_j"]) == pytest.approx(m1.gpu[0].energy_j)
+    assert float(by_name["one"]["total_energy_j"]) == pytest.approx(m1.total_energy_j)
+    assert by_name["two"]["gpu0_source"] == "counter+corrected"
+    assert by_name["one"]["cpu0_source"] == "counter"
+    assert float(by_name["two"]["elapsed_s"]) == pytest.approx(m2.elapsed_s)
+
+
+def test_log_bad_suffix(tmp_path: Path) -> None:
+    sim = Simulator("A100")
+    with pytest.raises(ValueError, match=r"\.jsonl or \.csv"):
+        EnergyMonitor(devices=sim.devices(), log=tmp_path / "windows.txt")
+
+
+# -- measurement ------------------------------------------------------------------------------
+def test_measurement_round_trip_and_properties() -> None:
+    m = Measurement(
+        name="step",
+        start_time=12.5,
+        elapsed_s=2.0,
+        gpu={
+            0: DeviceEnergy(100.0, Source.COUNTER, 0.5, False, "GPU-a"),
+            3: DeviceEnergy(20.0, Source.COUNTER, 0.1, True, "GPU-b"),
+        },
+        cpu={0: DeviceEnergy(50.0, Source.COUNTER, 0.05, False, "h/cpu0")},
+        dram={0: DeviceEnergy(10.0, Source.COUNTER, 0.01, False, "h/dram0")},
+        host="h",
+    )
+    assert m.total_energy_j == pytest.approx(180.0)
+    assert m.uncertainty_j == pytest.approx(0.66)
+    assert m.average_power_w == pytest.approx(90.0)
+    assert m.gpu_energy_j == {0: 100.0, 3: 20.0}
+    assert m.cpu_energy_j == {0: 50.0} and m.dram_energy_j == {0: 10.0}
+    assert m.sources == {
+        "gpu0": "counter", "gpu3": "counter+corrected", "cpu0": "counter", "dram0": "counter"
+    }
+    d = m.to_dict()
+    assert d["gpu"]["3"]["corrected"] is True  # type: ignore[index]
+    assert d["total_energy_j"] == pytest.approx(180.0)
+    back = Measurement.from_dict(json.loads(json.dumps(d)))
+    assert back == m
+    assert back.gpu[3].source is Source.COUNTER
+    sampled = DeviceEnergy(1.0, Source.SAMPLED)
+    assert DeviceEnergy.from_dict(sampled.to_dict()) == sampled
+    assert DeviceEnergy.from_dict({"energy_j": 2, "source": "estimate"}) == DeviceEnergy(2.0, Source.ESTIMATE)
+    empty = Measurement("e", 0.0, 0.0)
+    assert empty.average_power_w == 0.0 and empty.total_energy_j == 0.0 and empty.sources == {}
+    assert Measurement.from_dict(empty.to_dict()) == empty
+
+
+def test_monitor_measurement_round_trips() -> None:
+    sim, mon = setup("A100,P100,XEON8480", Constant(0.5))
+    m, _ = measure_span(sim, mon, "w", 1.0)
+    assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert m.average_power_w == pytest.approx(m.total_energy_j / m.elapsed_s)
+    assert m.host and all(v.device_id for z in zones(m).values() for v in z.values())
+
+
+# -- sync -------------------------------------------------------------------------------------
+def test_sync_torch_without_torch_is_a_noop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    sim, mon = setup("A100,nocpu", Constant(0.5), sync="torch")
+    m, _ = measure_span(sim, mon, "w", 1.0)
+    assert m.gpu[0].energy_j > 0
+    assert "torch" not in sys.modules
+    for name in ("jax", "cupy"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        fn = make_sync(name, [0])  # type: ignore[arg-type]
+        assert fn is not None
+        fn()
+        assert name not in sys.modules
+
+
+def test_sync_callable_is_called_at_both_edges() -> None:
+    calls: list[float] = []
+    sim = Simulator("A100,nocpu")
+    mon = EnergyMonitor(devices=sim.devices(), sync=lambda: calls.append(sim.clock.now()))
+    assert calls == []
+    mon.begin_window("w")
+    sim.advance(1.0)
+    mon.end_window("w")
+    assert calls == [0.0, 1.0]
+    with mon.window("ctx"):
+        pass
+    assert len(calls) == 4
+    mon.begin_window("c")
+    mon.cancel_window("c")  # cancelling does not synchronize
+    assert len(calls) == 5
+
+
+def test_sync_failure_at_begin_releases_the_name() -> None:
+    sim = Simulator("A100,nocpu")
+    fail = [True]
+
+    def sync() -> None:
+        if fail[0]:
+            raise RuntimeError("device lost")
+
+    mon = EnergyMonitor(devices=sim.devices(), sync=sync)
+    with pytest.raises(RuntimeError, match="device lost"):
+        mon.begin_window("w")
+    assert mon.open_windows == []
+    fail[0] = False
+    mon.begin_window("w")
+    mon.end_window("w")
+
+
+def test_bad_sync_value() -> None:
+    sim = Simulator("A100")
+    with pytest.raises(ValueError, match="sync must be"):
+        EnergyMonitor(devices=sim.devices(), sync="tensorflow")  # type: ignore[arg-type]
+    assert make_sync(None, [0]) is None
+
+
+def test_sync_torch_synchronizes_each_visible_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    state = {"initialized": False}
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: state["initialized"],
+        device_count=lambda: 2,
+        synchronize=synced.append,
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    fn = make_sync("torch", [0, 1, 3])
+    assert fn is not None
+    fn()
+    assert synced == []  # CUDA never initialized: no work can be queued
+    state["initialized"] = True
+    fn()
+    assert synced == [0, 1]  # index 3 is not a device here
+
+
+def test_sync_jax_and_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[object] = []
+
+    class Arr:
+        def block_until_ready(self) -> None:
+            events.append("ready")
+
+    jax = types.SimpleNamespace(
+        effects_barrier=lambda: events.append("barrier"),
+        local_devices=lambda: ["d0", "d1"],
+        device_put=lambda x, d: events.append(("put", d)) or Arr(),
+    )
+    monkeypatch.setitem(sys.modules, "jax", jax)
+    make_sync("jax", [0])()  # type: ignore[misc]
+    assert events == ["barrier", ("put", "d0"), "ready", ("put", "d1"), "ready"]
+
+    events.clear()
+
+    class Device:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def __enter__(self) -> None:
+            events.append(("enter", self.i))
+
+        def __exit__(self, *exc: object) -> None:
+            events.append(("exit", self.i))
+
+    cupy = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            Device=Device, runtime=types.SimpleNamespace(deviceSynchronize=lambda: events.append("sync"))
+        )
+    )
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    make_sync("cupy", [0, 2])()  # type: ignore[misc]
+    assert events == [("enter", 0), "sync", ("exit", 0), ("enter", 2), "sync", ("exit", 2)]
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+def test_close_stops_the_sampler() -> None:
+    sim = Simulator("A100")
+    with EnergyMonitor(devices=sim.devices()) as mon:
+        assert mon.sampler.running
+        sim.advance(1.0)
+        n = mon.sampler.sample_count(0)
+        assert n > 30
+    assert not mon.sampler.running
+    sim.advance(1.0)
+    assert mon.sampler.sample_count(0) == n
