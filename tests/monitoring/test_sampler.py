@@ -350,3 +350,28 @@ def test_cpu_only_sampler_polls_counters() -> None:
     clock.advance(10.0)
     assert cpu.package_energy_j() - p0 == pytest.approx(3500.0, abs=0.7)
     sampler.stop()
+
+
+def test_tracker_uses_read_brackets_so_a_descheduled_read_teaches_nothing_wrong() -> None:
+    tr = CounterTracker(0.1)
+    feed(tr, 0.0, 0.0, 2.0)  # phase 0 learned: updates at k * 0.1
+    before = tr.update_time()
+    assert before is not None
+    # A read began at 2.005 (value of the 2.0 update) but its thread was descheduled and
+    # the read ended at 2.26, after two more updates. Bracketed, it says nothing false.
+    value_at_2005 = float(math.floor(2.005 / 0.1 + 1e-9))
+    tr.observe(2.26, value_at_2005, t_before=2.005)
+    # The next read sees the 2.2 update: it happened in (2.005, 2.27], and the learned phase
+    # picks the latest consistent update time, 2.2.
+    tr.observe(2.27, value_at_2005 + 2.0, t_before=2.265)
+    est, half = tr.update_time()  # type: ignore[misc]
+    assert abs(est - 2.2) <= half + 1e-9 and half <= 0.003
+    assert tr.locked
+
+
+def test_tracker_restarts_when_counter_resets() -> None:
+    tr = CounterTracker(0.1)
+    feed(tr, 0.0, 0.0, 1.0)
+    tr.observe(1.5, 0.0, t_before=1.49)  # later read, lower value: the counter was reset
+    assert not tr.locked
+    assert tr.update_after(0.0) is None

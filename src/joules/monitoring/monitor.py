@@ -134,11 +134,12 @@ class EnergyMonitor:
         if not self._counter[k]:
             t = self.clock.now()
             return _GPUEdge(sampler.energy_integral(gpu.index, t), 0.0, samples)
+        t_before = self.clock.now()
         c = gpu.energy_j()
         t = self.clock.now()
         tracker = sampler.tracker(gpu.index)
         assert tracker is not None
-        tracker.observe(t, c)
+        tracker.observe(t, c, t_before)
         update = tracker.update_time()
         power = sampler.latest_power(gpu.index)
         if update is None:

@@ -49,7 +49,8 @@ class CounterTracker:
     """
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
-                 "_changes")
+                 "_changes", "_last_end")
+    # _last_t: latest time at which the last value is known to have held.
 
     history = 64
     """Counter updates remembered, for interpolating window edges after the fact."""
@@ -60,6 +61,7 @@ class CounterTracker:
         self._arc_len = period_s  # phase unknown: the whole circle
         self._last_value: float | None = None
         self._last_t = -math.inf
+        self._last_end = -math.inf  # when the latest read ended
         # The update that produced the current value happened in (_lo, _hi].
         self._lo = -math.inf
         self._hi = -math.inf
@@ -72,23 +74,44 @@ class CounterTracker:
         """Whether the phase is known to within a quarter period."""
         return self._arc_len <= self.period / 4.0
 
-    def observe(self, t: float, value: float) -> None:
-        """Record a counter read ``value`` taken at time ``t``."""
+    def observe(self, t: float, value: float, t_before: float | None = None) -> None:
+        """Record a counter read that returned ``value``.
+
+        Args:
+            t: Time right after the read.
+            value: The value read (the counter never decreases).
+            t_before: Time right before the read (default ``t``). A read is not
+                instantaneous, and another thread may be scheduled in the middle of it: the
+                value held at some instant in ``[t_before, t]``.
+        """
+        tb = t if t_before is None else t_before
         with self._lock:
-            if t < self._last_t:
-                return  # a read that lost a race with a later one adds nothing
-            if self._last_value is None:
+            last = self._last_value
+            if last is not None and value < last and tb >= self._last_end:
+                # Not a stale read (it began after the latest one ended): the counter was
+                # reset. Start learning afresh.
+                last = None
+                self._arc_start, self._arc_len = 0.0, self.period
+                self._changes.clear()
+            self._last_end = max(self._last_end, t)
+            if last is None:
                 # The update that produced the first value seen came within a period before.
                 self._lo, self._hi = t - self.period, t
                 self._changes.append((value, self._lo, self._hi))
-            elif value != self._last_value:
-                self._lo, self._hi = self._last_t, t
-                self._changes.append((value, self._lo, self._hi))
-                width = t - self._last_t
-                if width < self.period:
-                    self._narrow(self._last_t % self.period, width)
+            elif value < last:
+                return  # a read that lost a race with a later one adds nothing
+            elif value == last:
+                self._last_t = max(self._last_t, tb)  # the old value still held at tb
+                return
+            else:
+                # The old value held at or after _last_t; the new one by t.
+                lo, hi = min(self._last_t, t), t
+                self._lo, self._hi = lo, hi
+                self._changes.append((value, lo, hi))
+                if 0 < hi - lo < self.period:
+                    self._narrow(lo % self.period, hi - lo)
             self._last_value = value
-            self._last_t = t
+            self._last_t = tb
 
     def _narrow(self, start: float, length: float) -> None:
         period = self.period
@@ -231,7 +254,9 @@ class PowerSampler:
         for track in self._tracks.values():
             try:
                 if track.tracker is not None:
-                    track.tracker.observe(self.clock.now(), track.gpu.energy_j())
+                    t_before = self.clock.now()
+                    value = track.gpu.energy_j()
+                    track.tracker.observe(self.clock.now(), value, t_before)
                 p = track.gpu.power_w()
             except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
                 self.errors += 1
