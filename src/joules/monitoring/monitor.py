@@ -141,11 +141,9 @@ class EnergyMonitor:
         assert tracker is not None
         tracker.observe(t, c, t_before)
         update = tracker.update_time()
-        power = sampler.latest_power(gpu.index)
-        if update is None:
-            # Nothing known of the counter's timing yet: take it as is.
-            return _GPUEdge(c, power * self._periods[k], samples)
+        assert update is not None  # known once a read was observed
         tick, half_width = update
+        power = sampler.latest_power(gpu.index)
         since = max(0.0, t - tick)
         spread = sampler.power_spread(gpu.index)
         return _GPUEdge(
