@@ -242,12 +242,7 @@ class AMDGPU(GPU):
         return (self._cap("min_power_cap"), self._cap("max_power_cap"))
 
     def set_power_limit_w(self, watts: float) -> None:
-        lo, hi = self.power_limit_range_w()
-        if not lo <= watts <= hi:
-            raise ValueError(
-                f"GPU {self.index} ({self.name}): power limit {watts:g} W is outside the "
-                f"allowed range [{lo:g}, {hi:g}] W"
-            )
+        self.check_power_limit(watts)
         self._call("amdsmi_set_power_cap", "setting the power cap", 0, int(round(watts * 1e6)))
 
     # -- clocks -----------------------------------------------------------------------------

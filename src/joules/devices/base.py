@@ -79,6 +79,16 @@ class GPU(ABC):
     def set_power_limit_w(self, watts: float) -> None:
         """Set the power limit. ValueError outside the allowed range."""
 
+    def check_power_limit(self, watts: float) -> float:
+        """Return ``watts`` if it is a settable power limit; ValueError naming the range if not."""
+        lo, hi = self.power_limit_range_w()
+        if not lo <= watts <= hi:
+            raise ValueError(
+                f"GPU {self.index} ({self.name}): power limit {watts:g} W is outside the allowed "
+                f"range [{lo:g}, {hi:g}] W"
+            )
+        return watts
+
     def reset_power_limit(self) -> None:
         """Restore the default power limit."""
         self.set_power_limit_w(self.default_power_limit_w())

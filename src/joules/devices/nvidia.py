@@ -391,11 +391,7 @@ class NVMLGPU(GPU):
         return self._limit_range
 
     def set_power_limit_w(self, watts: float) -> None:
-        lo, hi = self.power_limit_range_w()
-        if not lo <= watts <= hi:
-            raise ValueError(
-                f"{self._label}: power limit {watts:g} W is outside the allowed range [{lo:g}, {hi:g}] W"
-            )
+        self.check_power_limit(watts)
         fix = (
             f"run as root (sudo) or with CAP_SYS_ADMIN, or set it as root with "
             f"`sudo nvidia-smi -i {self.physical_index} -pl {watts:g}`; keep persistence mode on "

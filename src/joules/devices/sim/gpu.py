@@ -228,12 +228,7 @@ class SimGPU(GPU):
             )
 
     def set_power_limit_w(self, watts: float) -> None:
-        lo, hi = self.power_limit_range_w()
-        if not lo <= watts <= hi:
-            raise ValueError(
-                f"GPU {self.index} ({self.name}): power limit {watts:g} W is outside the "
-                f"allowed range [{lo:g}, {hi:g}] W"
-            )
+        self.check_power_limit(watts)
         self._check_control("the power limit")
         with self._lock:
             self._new_epoch(limit_w=float(watts))
