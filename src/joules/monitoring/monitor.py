@@ -125,27 +125,22 @@ class EnergyMonitor:
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
+        self._trackers = [self.sampler.tracker(g.index) for g in self.gpus]
         self.last: dict[str, Measurement] = {}
 
     # -- edges ------------------------------------------------------------------------------
     def _gpu_edge(self, k: int, gpu: GPU) -> _GPUEdge:
         sampler = self.sampler
-        samples = sampler.sample_count(gpu.index)
         if not self._counter[k]:
             t = self.clock.now()
-            return _GPUEdge(sampler.energy_integral(gpu.index, t), 0.0, samples)
-        t_before = self.clock.now()
+            return _GPUEdge(sampler.energy_integral(gpu.index, t), 0.0, sampler.sample_count(gpu.index))
+        now = self.clock.now
+        t_before = now()
         c = gpu.energy_j()
-        t = self.clock.now()
-        tracker = sampler.tracker(gpu.index)
-        assert tracker is not None
-        tracker.observe(t, c, t_before)
-        update = tracker.update_time()
-        assert update is not None  # known once a read was observed
-        tick, half_width = update
-        power = sampler.latest_power(gpu.index)
-        since = max(0.0, t - tick)
-        spread = sampler.power_spread(gpu.index)
+        t = now()
+        tick, half_width = self._trackers[k].observe(t, c, t_before)  # type: ignore[union-attr]
+        samples, power, spread = sampler.edge_state(gpu.index)
+        since = t - tick if t > tick else 0.0
         return _GPUEdge(
             c + power * since,
             spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
@@ -163,7 +158,7 @@ class EnergyMonitor:
         around the edge is more accurate than extrapolating a power reading.
         """
         tracker = self.sampler.tracker(gpu.index)
-        if tracker is None or math.isnan(b.tick):
+        if tracker is None or b.tick != b.tick:  # NaN: no counter reading at this edge
             return b.energy
         after = tracker.update_after(b.counter)
         if after is None:

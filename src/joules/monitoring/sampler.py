@@ -74,7 +74,7 @@ class CounterTracker:
         """Whether the phase is known to within a quarter period."""
         return self._arc_len <= self.period / 4.0
 
-    def observe(self, t: float, value: float, t_before: float | None = None) -> None:
+    def observe(self, t: float, value: float, t_before: float | None = None) -> tuple[float, float]:
         """Record a counter read that returned ``value``.
 
         Args:
@@ -99,10 +99,10 @@ class CounterTracker:
                 self._lo, self._hi = t - self.period, t
                 self._changes.append((value, self._lo, self._hi))
             elif value < last:
-                return  # a read that lost a race with a later one adds nothing
+                return self._estimate(self._lo, self._hi)  # a stale read adds nothing
             elif value == last:
                 self._last_t = max(self._last_t, tb)  # the old value still held at tb
-                return
+                return self._estimate(self._lo, self._hi)
             else:
                 # The old value held at or after _last_t; the new one by t.
                 lo, hi = min(self._last_t, t), t
@@ -112,6 +112,7 @@ class CounterTracker:
                     self._narrow(lo % self.period, hi - lo)
             self._last_value = value
             self._last_t = tb
+            return self._estimate(self._lo, self._hi)
 
     def _narrow(self, start: float, length: float) -> None:
         period = self.period
@@ -316,6 +317,13 @@ class PowerSampler:
         """Recent spread (max - min) of GPU ``index``'s power readings, W."""
         track = self._tracks[index]
         return max(0.0, track.recent_max - track.recent_min) if track.count else 0.0
+
+    def edge_state(self, index: int) -> tuple[int, float, float]:
+        """``(sample count, latest power W, recent power spread W)`` of GPU ``index`` at once."""
+        track = self._tracks[index]
+        if not track.count:
+            self.sample_now(index)
+        return track.count, track.last_p, max(0.0, track.recent_max - track.recent_min)
 
     def sample_count(self, index: int) -> int:
         """Number of samples of GPU ``index`` taken so far."""
