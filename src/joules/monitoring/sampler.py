@@ -49,25 +49,32 @@ class CounterTracker:
     """
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
-                 "_changes", "_last_end")
-    # _last_t: latest time at which the last value is known to have held.
+                 "_changes", "_values", "_last_end", "snapshot")
 
     history = 64
     """Counter updates remembered, for interpolating window edges after the fact."""
+
+    margin_s = 0.002
+    """Safety margin around the learned update phase when deciding a read can be skipped."""
 
     def __init__(self, period_s: float) -> None:
         self.period = period_s
         self._arc_start = 0.0
         self._arc_len = period_s  # phase unknown: the whole circle
         self._last_value: float | None = None
-        self._last_t = -math.inf
+        self._last_t = -math.inf  # latest time at which the last value is known to have held
         self._last_end = -math.inf  # when the latest read ended
         # The update that produced the current value happened in (_lo, _hi].
         self._lo = -math.inf
         self._hi = -math.inf
         self._lock = threading.Lock()
-        # Recent updates: (new value, lo, hi), the update having happened in (lo, hi].
+        # Recent updates: (new value, lo, hi), the update having happened in (lo, hi]; and
+        # their values alone, for bisection.
         self._changes: deque[tuple[float, float, float]] = deque(maxlen=self.history)
+        self._values: deque[float] = deque(maxlen=self.history)
+        # (valid from, valid until, value, update time, half width): read lock-free by
+        # :meth:`current`; replaced whole (atomically) after every observation.
+        self.snapshot: tuple[float, float, float, float, float] | None = None
 
     @property
     def locked(self) -> bool:
@@ -83,6 +90,10 @@ class CounterTracker:
             t_before: Time right before the read (default ``t``). A read is not
                 instantaneous, and another thread may be scheduled in the middle of it: the
                 value held at some instant in ``[t_before, t]``.
+
+        Returns:
+            When the update that produced the latest value happened: ``(estimate,
+            half_width)``, as :meth:`update_time`.
         """
         tb = t if t_before is None else t_before
         with self._lock:
@@ -93,26 +104,43 @@ class CounterTracker:
                 last = None
                 self._arc_start, self._arc_len = 0.0, self.period
                 self._changes.clear()
+                self._values.clear()
             self._last_end = max(self._last_end, t)
             if last is None:
                 # The update that produced the first value seen came within a period before.
-                self._lo, self._hi = t - self.period, t
-                self._changes.append((value, self._lo, self._hi))
-            elif value < last:
-                return self._estimate(self._lo, self._hi)  # a stale read adds nothing
+                self._record(value, t - self.period, t)
+            elif value < last:  # a stale read adds nothing
+                return self._estimate(self._lo, self._hi)
             elif value == last:
                 self._last_t = max(self._last_t, tb)  # the old value still held at tb
-                return self._estimate(self._lo, self._hi)
+                return self._refresh()
             else:
                 # The old value held at or after _last_t; the new one by t.
-                lo, hi = min(self._last_t, t), t
-                self._lo, self._hi = lo, hi
-                self._changes.append((value, lo, hi))
-                if 0 < hi - lo < self.period:
-                    self._narrow(lo % self.period, hi - lo)
+                lo = min(self._last_t, t)
+                self._record(value, lo, t)
+                if 0 < t - lo < self.period:
+                    self._narrow(lo % self.period, t - lo)
             self._last_value = value
             self._last_t = tb
-            return self._estimate(self._lo, self._hi)
+            return self._refresh()
+
+    def _record(self, value: float, lo: float, hi: float) -> None:
+        self._lo, self._hi = lo, hi
+        self._changes.append((value, lo, hi))
+        self._values.append(value)
+
+    def _refresh(self) -> tuple[float, float]:
+        """Recompute the latest update's estimate and the lock-free snapshot."""
+        tick, half = self._estimate(self._lo, self._hi)
+        until = -math.inf
+        if self.locked:
+            period, start, length, margin = self.period, self._arc_start, self._arc_len, self.margin_s
+            # The first possible update (arc occurrence) that may end after the latest read.
+            k = math.ceil((self._last_t - margin - (start + length)) / period)
+            until = start + k * period - margin
+        assert self._last_value is not None
+        self.snapshot = (self._last_t, until, self._last_value, tick, half)
+        return tick, half
 
     def _narrow(self, start: float, length: float) -> None:
         period = self.period
@@ -154,6 +182,21 @@ class CounterTracker:
                 return None
             return self._estimate(self._lo, self._hi)
 
+    def current(self, t: float) -> tuple[float, float, float] | None:
+        """The counter's value at ``t`` without reading it, when the phase proves it unchanged.
+
+        When the phase is locked and no possible update (the learned phase arc, widened by
+        :attr:`margin_s`) falls between the latest read and ``t``, a read at ``t`` would
+        return the latest value. Lock-free: one attribute read and two comparisons.
+
+        Returns:
+            ``(value, update time estimate, half_width)``, or ``None`` when a read is needed.
+        """
+        snap = self.snapshot
+        if snap is None or not snap[0] <= t < snap[1]:
+            return None
+        return snap[2], snap[3], snap[4]
+
     def update_after(self, value: float) -> tuple[float, float] | None:
         """The first remembered update that moved the counter past ``value``.
 
@@ -161,11 +204,10 @@ class CounterTracker:
         or it is no longer remembered.
         """
         with self._lock:
-            changes = self._changes
-            i = bisect.bisect_right(changes, value, key=lambda c: c[0])
-            if i == len(changes) or i == 0:
+            i = bisect.bisect_right(self._values, value)
+            if i == len(self._values) or i == 0:
                 return None
-            new, lo, hi = changes[i]
+            new, lo, hi = self._changes[i]
             return self._estimate(lo, hi)[0], new
 
 

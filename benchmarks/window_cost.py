@@ -1,0 +1,214 @@
+"""Benchmark 1: CPU cost of one measurement window (begin + end), joules vs Zeus.
+
+Both tools read the same simulated A100s through the same fake ``pynvml``
+(:mod:`joules.testing.fake_pynvml`) on the real clock. joules uses its real NVML backend
+(``joules.devices.nvidia.discover_nvml``) in a ``DeviceSet(gpus=..., cpus=[], clock=RealClock())``;
+Zeus is a ``ZeusMonitor`` opening the same fake through its own NVML layer.
+
+Each configuration is timed over many back-to-back windows (``begin_window`` +
+``end_window``, nothing in between) in rounds; each round builds a fresh monitor of each tool
+in turn (order alternating between rounds; only one monitor alive at a time, so joules'
+sampler thread never runs while Zeus is timed). Reported: the median over rounds of each
+round's median, and the median of the per-round joules/Zeus ratios (robust to the load of a
+shared machine drifting between rounds). The fake's per-call latency (a busy wait in every NVML
+call) is 0 (pure Python cost) and 20 µs (about what a real NVML query costs).
+
+"GPU only" rows measure no CPU package in either tool. "+1 CPU pkg" rows add one RAPL
+package (package + DRAM zones) read from the same fake powercap tree by both tools
+(``joules.devices.rapl.discover_rapl`` and Zeus' ``RAPLCPUs`` with ``RAPL_DIR`` pointed at it).
+
+Run: ``.bench-venv/bin/python benchmarks/window_cost.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import _harness as H
+from joules.clock import RealClock
+from joules.devices.base import DeviceSet
+from joules.devices.rapl import discover_rapl
+from joules.devices.sim import Simulator
+from joules.monitoring.monitor import EnergyMonitor
+from joules.testing.fake_sysfs import FakePowercap
+
+warnings.filterwarnings("ignore", message="The energy consumption of one or more GPUs")
+
+
+def _sim(n_gpus: int, cpu: bool) -> Simulator:
+    return Simulator.realtime(f"A100x{n_gpus}" + ("" if cpu else ",nocpu"))
+
+
+def calls_per_window(fake: object, begin: object, end: object, n: int = 50) -> float:
+    before = sum(fake.fake_calls.values())
+    H.timed_windows(begin, end, n)
+    return (sum(fake.fake_calls.values()) - before) / n
+
+
+STUB = -1.0  # "latency" meaning: energy reads replaced by a near-free stub (tool overhead only)
+
+
+def _install(sim: Simulator, latency: float) -> object:
+    fake = H.install_fake(sim, max(0.0, latency), keep_zeus_cpus=True)
+    if latency == STUB:
+        calls = fake.fake_calls
+        mono = time.monotonic
+
+        def nvmlDeviceGetTotalEnergyConsumption(handle: object) -> int:  # noqa: N802
+            calls["nvmlDeviceGetTotalEnergyConsumption"] += 1
+            return int(mono() * 10.0) * 25_000  # mJ, updated every 100 ms like an A100 counter
+
+        fake.nvmlDeviceGetTotalEnergyConsumption = nvmlDeviceGetTotalEnergyConsumption
+    return fake
+
+
+def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) -> tuple[list[float], float]:
+    sim = _sim(n_gpus, cpu)
+    fake = _install(sim, latency)
+    gpus = H.joules_nvml_gpus()
+    assert len(gpus) == n_gpus, gpus
+    cpus = []
+    if cpu:
+        tree = FakePowercap.for_sim(tmp / f"j{time.monotonic_ns()}", sim.cpus)
+        cpus, _ = discover_rapl(tree.root, cpuinfo=tree.cpuinfo_path)
+        assert len(cpus) == 1
+    mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=cpus, clock=RealClock()))
+    try:
+        H.timed_windows(mon.begin_window, mon.end_window, 200)  # warm-up
+        times = H.timed_windows(mon.begin_window, mon.end_window, windows)
+        mon.sampler.stop()  # count only the calls windows make
+        return times, calls_per_window(fake, mon.begin_window, mon.end_window)
+    finally:
+        mon.close()
+
+
+def run_zeus(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) -> tuple[list[float], float]:
+    sim = _sim(n_gpus, cpu)
+    fake = _install(sim, latency)  # Zeus' RAPL CPUs: opened once in main()
+    from zeus.monitor import ZeusMonitor
+
+    mon = ZeusMonitor(cpu_indices=None if cpu else [])
+    assert len(mon.gpu_indices) == n_gpus and len(mon.cpu_indices) == (1 if cpu else 0)
+    assert mon.power_monitor is None  # A100: energy counter, no polling process
+
+    def begin(k: str) -> None:
+        mon.begin_window(k, sync_execution=False)
+
+    def end(k: str) -> object:
+        return mon.end_window(k, sync_execution=False)
+
+    H.timed_windows(begin, end, 200)  # warm-up
+    times = H.timed_windows(begin, end, windows)
+    return times, calls_per_window(fake, begin, end)
+
+
+def fake_call_us(latency: float) -> float:
+    """Median cost of one fake ``nvmlDeviceGetTotalEnergyConsumption`` call."""
+    import time as _t
+
+    fake = H.install_fake(_sim(1, False), latency, keep_zeus_cpus=True)
+    fake.nvmlInit()
+    h = fake.nvmlDeviceGetHandleByIndex(0)
+    fn = fake.nvmlDeviceGetTotalEnergyConsumption
+    xs = []
+    for _ in range(3000):
+        t0 = _t.perf_counter()
+        fn(h)
+        xs.append(_t.perf_counter() - t0)
+    return H.median_us(xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    rounds, windows = (3, 300) if args.quick else (9, 400)
+    H.install_fake(_sim(1, False))
+    H.import_zeus()
+    results = []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="joules-bench-") as d:
+        tmp = Path(d)
+        # Zeus' RAPL CPUs are opened once: each RAPL file gets a wraparound-tracking process
+        # (spawned on first read), started here and left to finish importing before timing.
+        import zeus.device.cpu as zcpu
+
+        tree = FakePowercap.for_sim(tmp / "zeus-powercap", _sim(1, True).cpus)
+        H.zeus_rapl_view(tree.root, 1, tmp / "zeus-view")
+        zcpus = zcpu.get_cpus()
+        zcpus.get_total_energy_consumption(0)
+        H.wait_children_idle()
+        configs = [(lat, cpu, n) for lat in (0.0, 20e-6) for cpu in (False, True) for n in (1, 4, 8)]
+        configs += [(STUB, False, n) for n in (1, 4, 8)]
+        for latency, cpu, n in configs:
+            w = windows if latency <= 0 else max(150, windows // n)
+            jr: list[float] = []  # per-round medians
+            zr: list[float] = []
+            ratios: list[float] = []
+            for r in range(rounds):
+                # Alternate the order every round so slow drifts of the machine cancel out.
+                order = ("j", "z") if r % 2 == 0 else ("z", "j")
+                got = {}
+                for tool in order:
+                    run = run_joules if tool == "j" else run_zeus
+                    got[tool] = run(n, latency, cpu, w, tmp)
+                jt, jcalls = got["j"]
+                zt, zcalls = got["z"]
+                jr.append(H.median_us(jt))
+                zr.append(H.median_us(zt))
+                ratios.append(jr[-1] / zr[-1])
+            jm, zm, ratio = statistics.median(jr), statistics.median(zr), statistics.median(ratios)
+            res = {
+                "gpus": n, "cpu_pkg": cpu, "latency_us": None if latency == STUB else latency * 1e6,
+                "joules_median_us": jm, "zeus_median_us": zm, "ratio_median": ratio,
+                "joules_round_medians_us": jr, "zeus_round_medians_us": zr,
+                "windows_per_round": w, "rounds": rounds,
+                "joules_nvml_calls": jcalls, "zeus_nvml_calls": zcalls,
+            }
+            results.append(res)
+            rows.append([
+                f"{n}x A100" + (" +1 CPU pkg" if cpu else " GPU only"),
+                "stub" if latency == STUB else f"{latency * 1e6:.0f}",
+                f"{jm:.1f}", f"{zm:.1f}", f"{ratio:.2f}",
+                f"{min(jr):.1f}-{max(jr):.1f}", f"{min(zr):.1f}-{max(zr):.1f}", f"{jcalls:g} / {zcalls:g}",
+            ])
+            print(f"  done: {rows[-1]}", file=sys.stderr, flush=True)
+        # Stop Zeus' RAPL wraparound processes before their files disappear with the temp dir.
+        for zc in zcpus.cpus:
+            for rapl_file in (zc.rapl_file, zc.dram):
+                tracker = getattr(rapl_file, "_wraparound_tracker", None)
+                if tracker is not None:
+                    tracker._stop()
+
+    call0, call20 = fake_call_us(0.0), fake_call_us(20e-6)
+    H.print_table(
+        "Per-window cost, begin_window + end_window (µs, median; fake NVML)",
+        ["config", "NVML µs", "joules", "Zeus", "joules/Zeus", "joules range", "Zeus range",
+         "NVML calls j/Z"],
+        rows,
+        note=(
+            f"NVML µs = latency added to every fake NVML call; one fake energy-counter read costs "
+            f"{call0:.1f} µs at latency 0 (simulator work) and {call20:.1f} µs at 20 µs;\n"
+            "'stub' rows replace the energy read by a near-free stub (a counter stepping every 100 ms),\n"
+            "leaving each tool's own overhead.\n"
+            "NVML calls j/Z = NVML calls per window (joules with its sampler stopped / Zeus).\n"
+            f"joules, Zeus = median over {rounds} rounds of each round's median (range: lowest-highest "
+            "round); joules/Zeus = median of the per-round ratios.\n"
+            f"{windows} windows per tool and round ({windows} / GPUs at 20 µs, at least 150). {H.machine()}"
+        ),
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
