@@ -153,6 +153,17 @@ class EnergyMonitor:
         rate = (value - b.counter) / (t_next - b.tick)
         return b.counter + rate * (b.t - b.tick)
 
+    def _revised_begin(self, gpu: GPU, b: _GPUEdge) -> float:
+        """Sampled-power reading at a begin edge, revised with the first sample after it.
+
+        The first reading after the edge describes the power around it better than the
+        reading before, which the edge had to extrapolate.
+        """
+        after = self.sampler.sample(gpu.index, b.samples)
+        if after is None:
+            return b.energy
+        return b.counter + after[1] * (b.t - b.tick)
+
     def _edge(self, name: str) -> _Edge:
         if self._sync is not None:
             self._sync()
@@ -163,8 +174,10 @@ class EnergyMonitor:
         for gpu, tracker in zip(self.gpus, self._trackers, strict=True):
             if tracker is None:  # no counter: the sampler's running integral
                 t = now()
-                gpu_edges.append(_GPUEdge(sampler.energy_integral(gpu.index, t), 0.0,
-                                          sampler.sample_count(gpu.index)))
+                count, energy, last_t, last_p = sampler.integral_state(gpu.index)
+                # ``counter``/``tick`` keep the integral and time of the latest sample, so the
+                # edge can be revised once the next sample is known (_revised_begin).
+                gpu_edges.append(_GPUEdge(energy + last_p * (t - last_t), 0.0, count, t, energy, last_t))
                 continue
             t = now()
             known = tracker.current(t) if skip else None
@@ -290,16 +303,28 @@ class EnergyMonitor:
         gpu: dict[int, DeviceEnergy] = {}
         for k, g in enumerate(self.gpus):
             b, e = begin.gpu[k], end.gpu[k]
-            if self._counter[k]:
+            if self._counter[k] and e.counter == b.counter:
+                # The counter did not move: the window fell between two of its updates. The
+                # power reading now (the latest sensor period) times the elapsed time.
+                power = g.power_w()
+                energy = power * elapsed
+                source, corrected = Source.ESTIMATE, True
+                uncertainty = (self.sampler.power_spread(g.index) + _GPU_POWER_RESOLUTION_W) * elapsed
+            elif self._counter[k]:
                 energy = max(0.0, e.energy - self._interpolated_begin(g, b, e))
                 source = Source.COUNTER
                 corrected = elapsed < self._periods[k]
                 uncertainty = b.uncertainty + e.uncertainty
             else:
-                energy = max(0.0, e.energy - b.energy)
                 n = e.samples - b.samples
-                source = Source.SAMPLED if n >= 2 else Source.ESTIMATE
-                corrected = n < 2
+                if n >= 2:
+                    energy = max(0.0, e.energy - self._revised_begin(g, b))
+                    source, corrected = Source.SAMPLED, False
+                else:
+                    # Too short for the samples to resolve: the power reading now (the sensor
+                    # period closest to the window) times the elapsed time.
+                    energy = g.power_w() * elapsed
+                    source, corrected = Source.ESTIMATE, True
                 interval = self.sampler.interval_s
                 spread = self.sampler.power_spread(g.index)
                 # Edges fall up to one interval from a sample: power may differ by the spread

@@ -44,12 +44,18 @@ class CounterTracker:
     few milliseconds within a second or two of polling. When observations contradict the
     current estimate (an irregular counter), the estimate restarts from the latest one.
 
+    It also learns the update phase of a periodically refreshed power reading
+    (``monotonic=False``): there any new value is an update, and reads are taken by one
+    thread only.
+
     Args:
         period_s: Nominal update period of the counter.
+        monotonic: Whether values only grow (energy counters), so that a smaller value is a
+            stale read or a reset.
     """
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
-                 "_changes", "_values", "_last_end", "snapshot")
+                 "_changes", "_values", "_last_end", "snapshot", "monotonic")
 
     history = 64
     """Counter updates remembered, for interpolating window edges after the fact."""
@@ -57,8 +63,9 @@ class CounterTracker:
     margin_s = 0.002
     """Safety margin around the learned update phase when deciding a read can be skipped."""
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, monotonic: bool = True) -> None:
         self.period = period_s
+        self.monotonic = monotonic
         self._arc_start = 0.0
         self._arc_len = period_s  # phase unknown: the whole circle
         self._last_value: float | None = None
@@ -98,6 +105,8 @@ class CounterTracker:
         tb = t if t_before is None else t_before
         with self._lock:
             last = self._last_value
+            if not self.monotonic and last is not None and value != last:
+                last = -math.inf  # any new value is an update
             if last is not None and value < last and tb >= self._last_end:
                 # Not a stale read (it began after the latest one ended): the counter was
                 # reset. Start learning afresh.
@@ -223,6 +232,7 @@ class _GPUTrack:
     last_p: float = math.nan
     recent_max: float = 0.0
     recent_min: float = math.inf
+    sensor: CounterTracker | None = None  # update phase of the power reading (no counter)
 
 
 class PowerSampler:
@@ -262,11 +272,13 @@ class PowerSampler:
         self._tracks: dict[int, _GPUTrack] = {}
         for g in gpus:
             period = g.energy_counter_period_s() if g.has_energy_counter() else None
+            power_period = None if g.has_energy_counter() else g.power_update_period_s()
             self._tracks[g.index] = _GPUTrack(
                 gpu=g,
                 tracker=CounterTracker(period) if period else None,
                 times=np.zeros(capacity),
                 powers=np.zeros(capacity),
+                sensor=CounterTracker(power_period, monotonic=False) if power_period else None,
             )
         self._cpu_every = max(1, int(min((c.max_read_interval_s() for c in self.cpus), default=60.0)
                                      / 4.0 / interval_s))
@@ -300,11 +312,14 @@ class PowerSampler:
                     t_before = self.clock.now()
                     value = track.gpu.energy_j()
                     track.tracker.observe(self.clock.now(), value, t_before)
+                t_before = self.clock.now()
                 p = track.gpu.power_w()
+                t = self.clock.now()
             except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
                 self.errors += 1
                 continue
-            self._add(track, self.clock.now(), p)
+            update = track.sensor.observe(t, p, t_before)[0] if track.sensor is not None else None
+            self._add(track, t, p, update)
         self._ticks += 1
         if self.cpus and self._ticks % self._cpu_every == 0:
             for cpu in self.cpus:
@@ -315,18 +330,34 @@ class PowerSampler:
                 except Exception:  # noqa: BLE001
                     self.errors += 1
 
-    def _add(self, track: _GPUTrack, t: float, p: float) -> None:
+    def _add(self, track: _GPUTrack, t: float, p: float, update: float | None = None) -> None:
+        """Add a reading ``p`` taken at ``t``; ``update``: when the sensor produced it, if known.
+
+        A reading describes the power before it was taken. Without a known update time it
+        covers the interval since the previous sample; with one (the sensor's update phase
+        learned as for counters), a new value covers the sensor period before its update.
+        Either way the integral is exact at constant power, whatever the number of repeated
+        readings.
+        """
         with self._lock:
-            if track.count and t > track.last_t:
-                # A reading describes the power just before it was taken: it covers the
-                # interval since the previous sample (exact at constant power, whatever
-                # the number of repeated readings).
-                track.energy += p * (t - track.last_t)
+            if update is None:
+                if track.count and t > track.last_t:
+                    track.energy += p * (t - track.last_t)
+                track.last_t = t
+            elif not track.count:
+                track.last_t = update
+            elif p != track.last_p and update > track.last_t:
+                # The new value covers the sensor period ending at its update; before that,
+                # the sensor kept updating to the previous value.
+                assert track.sensor is not None
+                split = max(track.last_t, update - track.sensor.period)
+                track.energy += track.last_p * (split - track.last_t) + p * (update - split)
+                track.last_t = update
             i = track.count % self.capacity
             track.times[i] = t
             track.powers[i] = p
             track.count += 1
-            track.last_t, track.last_p = t, p
+            track.last_p = p
             # Exponentially forgetting spread of recent readings, for uncertainty bounds.
             track.recent_max = max(p, track.recent_max * 0.98 + p * 0.02)
             track.recent_min = min(p, track.recent_min * 0.98 + p * 0.02)
@@ -347,6 +378,23 @@ class PowerSampler:
             self.sample_now(index)
         with self._lock:
             return track.energy + track.last_p * (t - track.last_t)
+
+    def integral_state(self, index: int) -> tuple[int, float, float, float]:
+        """``(sample count, integral at the latest sample J, its time, its power W)`` at once."""
+        track = self._tracks[index]
+        if not track.count:
+            self.sample_now(index)
+        with self._lock:
+            return track.count, track.energy, track.last_t, track.last_p
+
+    def sample(self, index: int, i: int) -> tuple[float, float] | None:
+        """The ``i``-th sample of GPU ``index`` as ``(time, power)``, if still retained."""
+        track = self._tracks[index]
+        with self._lock:
+            if not track.count - self.capacity <= i < track.count:
+                return None
+            j = i % self.capacity
+            return float(track.times[j]), float(track.powers[j])
 
     def latest_power(self, index: int) -> float:
         """Most recent power reading of GPU ``index``, W."""
