@@ -6,12 +6,14 @@ Both tools read the same simulated A100s through the same fake ``pynvml``
 Zeus is a ``ZeusMonitor`` opening the same fake through its own NVML layer.
 
 Each configuration is timed over many back-to-back windows (``begin_window`` +
-``end_window``, nothing in between) in rounds; each round builds a fresh monitor of each tool
-in turn (order alternating between rounds; only one monitor alive at a time, so joules'
-sampler thread never runs while Zeus is timed). Reported: the median over rounds of each
-round's median, and the median of the per-round joules/Zeus ratios (robust to the load of a
-shared machine drifting between rounds). The fake's per-call latency (a busy wait in every NVML
-call) is 0 (pure Python cost) and 20 µs (about what a real NVML query costs).
+``end_window``, nothing in between) in rounds, joules' monitor having run for 2 s first so
+that its sampler has learned the counters' update phase (its steady state). Each round
+builds a fresh monitor of each tool in turn (order alternating between rounds; only one
+monitor alive at a time, so joules' sampler thread never runs while Zeus is timed).
+Reported: the median over rounds of each round's median, and the median of the per-round
+joules/Zeus ratios (robust to the load of a shared machine drifting between rounds). The
+fake's per-call latency (a busy wait in every NVML call) is 0 (pure Python cost) and 20 µs
+(about what a real NVML query costs).
 
 "GPU only" rows measure no CPU package in either tool. "+1 CPU pkg" rows add one RAPL
 package (package + DRAM zones) read from the same fake powercap tree by both tools
@@ -52,6 +54,7 @@ def calls_per_window(fake: object, begin: object, end: object, n: int = 50) -> f
     return (sum(fake.fake_calls.values()) - before) / n
 
 
+JOULES_WARMUP_S = 2.0
 STUB = -1.0  # "latency" meaning: energy reads replaced by a near-free stub (tool overhead only)
 
 
@@ -71,7 +74,7 @@ def _install(sim: Simulator, latency: float) -> object:
 
 def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) -> tuple[list[float], float]:
     sim = _sim(n_gpus, cpu)
-    fake = _install(sim, latency)
+    _install(sim, latency)
     gpus = H.joules_nvml_gpus()
     assert len(gpus) == n_gpus, gpus
     cpus = []
@@ -81,10 +84,15 @@ def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) 
         assert len(cpus) == 1
     mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=cpus, clock=RealClock()))
     try:
+        # Steady state: the sampler learns the counters' update phase in its first 1-2 s.
+        time.sleep(JOULES_WARMUP_S)
         H.timed_windows(mon.begin_window, mon.end_window, 200)  # warm-up
+        reads0 = sum(mon.reads.values()) - mon.reads["counter_skipped"]
         times = H.timed_windows(mon.begin_window, mon.end_window, windows)
-        mon.sampler.stop()  # count only the calls windows make
-        return times, calls_per_window(fake, mon.begin_window, mon.end_window)
+        # NVML calls made by the windows themselves (the monitor counts its edge reads;
+        # the sampler's polling, ~35 calls/s per GPU, is not included).
+        reads = sum(mon.reads.values()) - mon.reads["counter_skipped"] - reads0
+        return times, reads / windows
     finally:
         mon.close()
 
@@ -200,7 +208,8 @@ def main() -> None:
             f"{call0:.1f} µs at latency 0 (simulator work) and {call20:.1f} µs at 20 µs;\n"
             "'stub' rows replace the energy read by a near-free stub (a counter stepping every 100 ms),\n"
             "leaving each tool's own overhead.\n"
-            "NVML calls j/Z = NVML calls per window (joules with its sampler stopped / Zeus).\n"
+            f"NVML calls j/Z = NVML calls per window (joules: edge reads after a {JOULES_WARMUP_S:g} s "
+            "warm-up,\nits sampler's polling excluded / Zeus).\n"
             f"joules, Zeus = median over {rounds} rounds of each round's median (range: lowest-highest "
             "round); joules/Zeus = median of the per-round ratios.\n"
             f"{windows} windows per tool and round ({windows} / GPUs at 20 µs, at least 150). {H.machine()}"

@@ -771,3 +771,16 @@ def test_sampled_gpu_window_too_short_for_samples_reads_power_once() -> None:
     m, truth = measure_span(sim, mon, "tiny", 0.004)
     assert m.gpu[0].source is Source.ESTIMATE and m.gpu[0].corrected
     assert m.gpu[0].energy_j == pytest.approx(truth["gpu"][0], rel=1e-3)
+
+
+def test_short_windows_reuse_the_samplers_power_reading_when_current() -> None:
+    sim, mon = setup("A100,nocpu", Periodic([(0.13, 1.0), (0.21, 0.4)]), warm=2.0)
+    rng = random.Random(2)
+    n = 100
+    for i in range(n):
+        sim.advance(rng.uniform(0.0, 0.2))
+        m, truth = measure_span(sim, mon, f"s{i}", 0.001)
+        assert m.gpu[0].energy_j > 0
+    # A power read is needed only when the sensor may have refreshed since the sampler read it.
+    assert 0 < mon.reads["power"] < 0.6 * n
+    assert mon.reads["counter_skipped"] > mon.reads["counter"]

@@ -131,6 +131,8 @@ class EnergyMonitor:
         self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
         self._trackers = [self.sampler.tracker(g.index) for g in self.gpus]
         self._skip_reads = skip_reads
+        self.reads = {"counter": 0, "counter_skipped": 0, "power": 0}
+        """Device reads made at window edges (the sampler's not included), and reads skipped."""
         self.last: dict[str, Measurement] = {}
 
     # -- edges ------------------------------------------------------------------------------
@@ -152,6 +154,14 @@ class EnergyMonitor:
             return b.energy
         rate = (value - b.counter) / (t_next - b.tick)
         return b.counter + rate * (b.t - b.tick)
+
+    def _power_now(self, gpu: GPU, t: float) -> float:
+        """The power reading at ``t``: the sampler's when provably current, else a fresh read."""
+        power = self.sampler.fresh_power(gpu.index, t) if self._skip_reads else None
+        if power is None:
+            self.reads["power"] += 1
+            return gpu.power_w()
+        return power
 
     def _revised_begin(self, gpu: GPU, b: _GPUEdge) -> float:
         """Sampled-power reading at a begin edge, revised with the first sample after it.
@@ -182,10 +192,12 @@ class EnergyMonitor:
             t = now()
             known = tracker.current(t) if skip else None
             if known is None:
+                self.reads["counter"] += 1
                 c = gpu.energy_j()
                 t_before, t = t, now()
                 tick, half_width = tracker.observe(t, c, t_before)
             else:  # the counter provably still holds the value the sampler read last
+                self.reads["counter_skipped"] += 1
                 c, tick, half_width = known
             samples, power, spread = sampler.edge_state(gpu.index)
             # Energy since the update that produced ``c``, from the latest power reading.
@@ -306,7 +318,7 @@ class EnergyMonitor:
             if self._counter[k] and e.counter == b.counter:
                 # The counter did not move: the window fell between two of its updates. The
                 # power reading now (the latest sensor period) times the elapsed time.
-                power = g.power_w()
+                power = self._power_now(g, end.t)
                 energy = power * elapsed
                 source, corrected = Source.ESTIMATE, True
                 uncertainty = (self.sampler.power_spread(g.index) + _GPU_POWER_RESOLUTION_W) * elapsed
@@ -323,7 +335,7 @@ class EnergyMonitor:
                 else:
                     # Too short for the samples to resolve: the power reading now (the sensor
                     # period closest to the window) times the elapsed time.
-                    energy = g.power_w() * elapsed
+                    energy = self._power_now(g, end.t) * elapsed
                     source, corrected = Source.ESTIMATE, True
                 interval = self.sampler.interval_s
                 spread = self.sampler.power_spread(g.index)

@@ -232,7 +232,7 @@ class _GPUTrack:
     last_p: float = math.nan
     recent_max: float = 0.0
     recent_min: float = math.inf
-    sensor: CounterTracker | None = None  # update phase of the power reading (no counter)
+    sensor: CounterTracker | None = None  # update phase of the power reading
 
 
 class PowerSampler:
@@ -272,7 +272,7 @@ class PowerSampler:
         self._tracks: dict[int, _GPUTrack] = {}
         for g in gpus:
             period = g.energy_counter_period_s() if g.has_energy_counter() else None
-            power_period = None if g.has_energy_counter() else g.power_update_period_s()
+            power_period = g.power_update_period_s()
             self._tracks[g.index] = _GPUTrack(
                 gpu=g,
                 tracker=CounterTracker(period) if period else None,
@@ -319,7 +319,8 @@ class PowerSampler:
                 self.errors += 1
                 continue
             update = track.sensor.observe(t, p, t_before)[0] if track.sensor is not None else None
-            self._add(track, t, p, update)
+            # Energy comes from the counter where there is one: keep the plain integral there.
+            self._add(track, t, p, update if track.tracker is None else None)
         self._ticks += 1
         if self.cpus and self._ticks % self._cpu_every == 0:
             for cpu in self.cpus:
@@ -418,6 +419,15 @@ class PowerSampler:
     def sample_count(self, index: int) -> int:
         """Number of samples of GPU ``index`` taken so far."""
         return self._tracks[index].count
+
+    def fresh_power(self, index: int, t: float) -> float | None:
+        """GPU ``index``'s power reading at ``t`` if the sampler's is provably still current.
+
+        ``None`` when the sensor may have refreshed since the sampler's latest read.
+        """
+        sensor = self._tracks[index].sensor
+        known = sensor.current(t) if sensor is not None else None
+        return None if known is None else known[0]
 
     def tracker(self, index: int) -> CounterTracker | None:
         """The counter tracker of GPU ``index`` (``None`` without an energy counter)."""
