@@ -44,7 +44,10 @@ from joules.monitoring.monitor import EnergyMonitor
 warnings.filterwarnings("ignore", message="The energy consumption of one or more GPUs")
 
 CHECKPOINTS_S = (60.0, 600.0, 3600.0)
-WINDOW_S = 0.1  # virtual length of each timed window
+# Virtual length of each timed window: about 100 ms, but not a multiple of the counters' and
+# sensors' update periods (a real window never is; a multiple would put every edge exactly on
+# an update, where joules must read the counter).
+WINDOW_S = 0.1037
 ZEUS_POLL_S = 0.02  # the P100's power-sensor period: every new reading is seen
 
 

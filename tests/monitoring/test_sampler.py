@@ -375,3 +375,21 @@ def test_tracker_restarts_when_counter_resets() -> None:
     tr.observe(1.5, 0.0, t_before=1.49)  # later read, lower value: the counter was reset
     assert not tr.locked
     assert tr.update_after(0.0) is None
+
+
+def test_power_tracker_treats_a_long_unchanged_reading_as_current() -> None:
+    tr = CounterTracker(0.1, monotonic=False)
+    t = 0.0
+    while t < 0.3:
+        tr.observe(t, 250.0)
+        t += 0.029
+    assert tr.current(t) is None  # three periods unchanged: not yet trusted
+    while t < 0.8:
+        tr.observe(t, 250.0)
+        t += 0.029
+    last = t - 0.029
+    known = tr.current(last + 0.05)
+    assert known is not None and known[0] == 250.0
+    assert tr.current(last + 0.2) is None  # more than a period after the latest read
+    tr.observe(last + 0.01, 300.0)  # a change: no longer steady
+    assert tr.current(last + 0.02) is None

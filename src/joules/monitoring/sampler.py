@@ -63,6 +63,9 @@ class CounterTracker:
     margin_s = 0.002
     """Safety margin around the learned update phase when deciding a read can be skipped."""
 
+    stable_periods = 5
+    """Periods without change after which a non-monotonic value is taken as steady."""
+
     def __init__(self, period_s: float, monotonic: bool = True) -> None:
         self.period = period_s
         self.monotonic = monotonic
@@ -147,6 +150,10 @@ class CounterTracker:
             # The first possible update (arc occurrence) that may end after the latest read.
             k = math.ceil((self._last_t - margin - (start + length)) / period)
             until = start + k * period - margin
+        elif not self.monotonic and self._last_t - self._hi >= self.stable_periods * self.period:
+            # A reading that has not changed for many periods (a steady load, whose phase
+            # cannot be learned) is taken to hold for one more period.
+            until = self._last_t + self.period - self.margin_s
         assert self._last_value is not None
         self.snapshot = (self._last_t, until, self._last_value, tick, half)
         return tick, half
