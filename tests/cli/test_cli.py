@@ -150,3 +150,22 @@ def test_demo_command_runs() -> None:
 def test_no_arguments_prints_help() -> None:
     r = joules()
     assert "measure" in r.stdout and "info" in r.stdout
+
+
+def test_measure_writes_power_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "power.csv"
+    r = joules("measure", "--sim", "A100x2", "--timeline", str(out), "--", sys.executable, "-c",
+               "import time; time.sleep(0.5)")
+    assert r.returncode == 0, r.stderr
+    rows = out.read_text().splitlines()
+    assert rows[0] == "time_s,device,power_w"
+    devices = {row.split(",")[1] for row in rows[1:]}
+    assert devices == {"gpu0", "gpu1"}
+    assert len(rows) > 2 * 10  # ~29 ms sampling over 0.5 s, two GPUs
+    assert all(float(row.split(",")[2]) == pytest.approx(55.0, abs=1.0) for row in rows[1:])
+
+
+def test_timeline_needs_known_format() -> None:
+    r = joules("power", "--sim", "A100", "--duration", "0.1", "--timeline", "x.txt")
+    assert r.returncode == 2
+    assert r.stderr.startswith("joules: error: --timeline needs a .csv or .jsonl")

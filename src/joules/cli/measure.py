@@ -55,6 +55,12 @@ def measurement_table(m: Measurement, title: str) -> Table:
     return t
 
 
+def check_timeline_path(path: str | None) -> None:
+    """Fail before anything runs when a ``--timeline`` path cannot be written as asked."""
+    if path is not None and not path.endswith((".csv", ".jsonl")):
+        raise JoulesError(f"--timeline needs a .csv or .jsonl file name, got {path!r}")
+
+
 def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
     """Run ``command`` inside a window; return its exit code and the measurement.
 
@@ -90,17 +96,22 @@ def register(app: typer.Typer) -> None:
         cpus: str | None = typer.Option(None, "--cpus", metavar="LIST",
                                         help="CPU package indices; 'none' for none."),
         log: str | None = typer.Option(None, "--log", metavar="FILE", help="Append the window to FILE."),
+        timeline: str | None = typer.Option(None, "--timeline", metavar="FILE",
+                                            help="Write GPU power samples to FILE (.csv or .jsonl)."),
         sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
     ) -> int:
         """Run a command and report its time, energy and average power per device."""
         use_sim(sim)
         if not command:
             raise JoulesError("no command given (usage: joules measure [OPTIONS] -- CMD [ARGS...])")
+        check_timeline_path(timeline)
         monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
         try:
             code, m = run_measured(command, monitor)
         finally:
             monitor.close()
+        if timeline:
+            monitor.sampler.export(timeline)
         if as_json:
             print(json.dumps(measurement_json(command, code, m)))
         else:

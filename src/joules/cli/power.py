@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 
 from joules.cli import SIM_HELP, use_sim
-from joules.cli.measure import measurement_table
+from joules.cli.measure import check_timeline_path, measurement_table
 from joules.errors import JoulesError
 from joules.monitoring.monitor import EnergyMonitor
 
@@ -57,6 +57,8 @@ def register(app: typer.Typer) -> None:
         duration: float | None = typer.Option(None, "--duration", metavar="S",
                                               help="Stop after S seconds (default: until Ctrl-C)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object per reading, then totals."),
+        timeline: str | None = typer.Option(None, "--timeline", metavar="FILE",
+                                            help="Write GPU power samples to FILE (.csv or .jsonl)."),
         sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
     ) -> None:
         """Show live power per device; on Ctrl-C or after --duration, total energy per device."""
@@ -65,6 +67,7 @@ def register(app: typer.Typer) -> None:
         if duration is not None and duration <= 0:
             raise JoulesError(f"--duration must be positive, got {duration:g}")
         use_sim(sim)
+        check_timeline_path(timeline)
         monitor = EnergyMonitor()
         cpu_power = _CpuPower(monitor)
         console = Console()
@@ -95,6 +98,8 @@ def register(app: typer.Typer) -> None:
         finally:
             m = monitor.end_window("power")
             monitor.close()
+            if timeline:
+                monitor.sampler.export(timeline)
         if as_json:
             print(json.dumps({"time_s": m.elapsed_s, "energy_j": {
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
