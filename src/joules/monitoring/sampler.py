@@ -57,7 +57,7 @@ class CounterTracker:
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
                  "_changes", "_values", "_last_end", "snapshot", "monotonic")
 
-    history = 64
+    history = 1024
     """Counter updates remembered, for interpolating window edges after the fact."""
 
     margin_s = 0.002
