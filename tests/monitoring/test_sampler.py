@@ -393,3 +393,14 @@ def test_power_tracker_treats_a_long_unchanged_reading_as_current() -> None:
     assert tr.current(last + 0.2) is None  # more than a period after the latest read
     tr.observe(last + 0.01, 300.0)  # a change: no longer steady
     assert tr.current(last + 0.02) is None
+
+
+def test_tracker_remembers_updates_long_enough_for_long_windows() -> None:
+    tr = CounterTracker(0.02)  # a V100's 20 ms counter
+    feed(tr, 0.0, 0.0, 6.0, poll=0.0107)
+    old_value = float(math.floor(1.0 / 0.02))  # the counter's value 5 s ago
+    after = tr.update_after(old_value)
+    assert after is not None
+    t_next, value = after
+    assert value == old_value + 1.0
+    assert abs(t_next - 1.02) < 0.003
