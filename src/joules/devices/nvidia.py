@@ -440,39 +440,33 @@ class NVMLGPU(GPU):
                 f"supported range [{supported[-1]:g}, {supported[0]:g}] MHz"
             )
 
-    def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
+    def _lock_clock(
+        self, what: str, flag: str, supported: Callable[[], list[float]], setter: Callable[..., Any],
+        min_mhz: float, max_mhz: float,
+    ) -> None:
         try:
-            supported = self.supported_sm_clocks_mhz()
+            clocks = supported()
         except NotSupportedError:
-            supported = []
-        self._check_clock_range("SM", min_mhz, max_mhz, supported)
+            clocks = []
+        self._check_clock_range(what, min_mhz, max_mhz, clocks)
         fix = (
             "run as root (sudo) or with CAP_SYS_ADMIN, or lock them as root with "
-            f"`sudo nvidia-smi -i {self.physical_index} -lgc {min_mhz:g},{max_mhz:g}`"
+            f"`sudo nvidia-smi -i {self.physical_index} {flag} {min_mhz:g},{max_mhz:g}`"
         )
-        self._call(
-            self._nvml.nvmlDeviceSetGpuLockedClocks, "lock the SM clock", self._handle,
-            int(round(min_mhz)), int(round(max_mhz)), fix=fix,
-        )
+        self._call(setter, f"lock the {what} clock", self._handle, int(round(min_mhz)), int(round(max_mhz)),
+                   fix=fix)
+
+    def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
+        self._lock_clock("SM", "-lgc", self.supported_sm_clocks_mhz,
+                         self._nvml.nvmlDeviceSetGpuLockedClocks, min_mhz, max_mhz)
 
     def reset_sm_clock(self) -> None:
         fix = f"run as root (sudo), or reset as root with `sudo nvidia-smi -i {self.physical_index} -rgc`"
         self._call(self._nvml.nvmlDeviceResetGpuLockedClocks, "reset the SM clock", self._handle, fix=fix)
 
     def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
-        try:
-            supported = self.supported_memory_clocks_mhz()
-        except NotSupportedError:
-            supported = []
-        self._check_clock_range("memory", min_mhz, max_mhz, supported)
-        fix = (
-            "run as root (sudo) or with CAP_SYS_ADMIN, or lock them as root with "
-            f"`sudo nvidia-smi -i {self.physical_index} -lmc {min_mhz:g},{max_mhz:g}`"
-        )
-        self._call(
-            self._nvml.nvmlDeviceSetMemoryLockedClocks, "lock the memory clock", self._handle,
-            int(round(min_mhz)), int(round(max_mhz)), fix=fix,
-        )
+        self._lock_clock("memory", "-lmc", self.supported_memory_clocks_mhz,
+                         self._nvml.nvmlDeviceSetMemoryLockedClocks, min_mhz, max_mhz)
 
     def reset_memory_clock(self) -> None:
         fix = f"run as root (sudo), or reset as root with `sudo nvidia-smi -i {self.physical_index} -rmc`"
