@@ -169,3 +169,32 @@ def test_timeline_needs_known_format() -> None:
     r = joules("power", "--sim", "A100", "--duration", "0.1", "--timeline", "x.txt")
     assert r.returncode == 2
     assert r.stderr.startswith("joules: error: --timeline needs a .csv or .jsonl")
+
+
+def _interrupt_after(args: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
+    """Run joules in its own process group and press Ctrl-C (SIGINT to the group)."""
+    import os
+    import signal
+    import time
+
+    p = subprocess.Popen([JOULES, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    time.sleep(seconds)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def test_power_ctrl_c_prints_totals() -> None:
+    r = _interrupt_after(["power", "--sim", "A100", "--interval", "0.2", "--json"], 2.0)
+    assert r.returncode == 0, r.stderr
+    total = json.loads(r.stdout.strip().splitlines()[-1])
+    assert total["energy_j"]["gpu0"] == pytest.approx(55.0 * total["time_s"], rel=0.3)
+
+
+def test_measure_ctrl_c_reaches_the_command_and_still_reports() -> None:
+    r = _interrupt_after(["measure", "--sim", "A100", "--json", "--", "sleep", "30"], 2.0)
+    assert r.returncode == 128 + 2  # sleep was interrupted by the same Ctrl-C
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["exit_code"] == 130 and 0.5 < out["time_s"] < 10
+    assert out["gpu_energy_j"]["0"] > 0
