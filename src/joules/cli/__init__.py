@@ -60,9 +60,9 @@ def parse_indices(value: str | None, what: str) -> list[int] | None:
 
 
 def _register() -> None:
-    from joules.cli import demo, info, measure, power
+    from joules.cli import demo, info, measure, power, simulate
 
-    for module in (info, measure, power, demo):
+    for module in (info, measure, power, demo, simulate):
         module.register(app)
 
 

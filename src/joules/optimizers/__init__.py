@@ -1,0 +1,1 @@
+"""Optimizers: spend less energy for the same work."""

@@ -1,0 +1,184 @@
+"""Time and energy of a workload at each GPU power limit, and loaders for recorded ones."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from joules.errors import JoulesError
+
+
+class ProfileError(JoulesError, ValueError):
+    """A profile file is missing, malformed, or does not hold what was asked for."""
+
+
+@dataclass(frozen=True)
+class LimitPoint:
+    """Time and energy of one unit of work (a profiling window, an epoch) at one power limit.
+
+    Attributes:
+        limit_w: The power limit, W.
+        time_s: Time the unit of work took, s.
+        energy_j: Energy it took on all GPUs together, J.
+    """
+
+    limit_w: float
+    time_s: float
+    energy_j: float
+
+    @property
+    def average_power_w(self) -> float:
+        """Average power over the unit of work, W."""
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A workload's :class:`LimitPoint` at each power limit, highest limit first."""
+
+    name: str
+    points: tuple[LimitPoint, ...]
+    gpus: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ProfileError(f"profile {self.name!r} has no power limits")
+        limits = [p.limit_w for p in self.points]
+        if len(set(limits)) != len(limits):
+            raise ProfileError(f"profile {self.name!r} lists a power limit twice")
+        for p in self.points:
+            if not (p.time_s > 0 and p.energy_j > 0 and math.isfinite(p.time_s + p.energy_j)):
+                raise ProfileError(f"profile {self.name!r}: bad time or energy at {p.limit_w:g} W")
+        object.__setattr__(self, "points", tuple(sorted(self.points, key=lambda p: -p.limit_w)))
+
+    @property
+    def limits_w(self) -> list[float]:
+        """The power limits, highest first."""
+        return [p.limit_w for p in self.points]
+
+    def at(self, limit_w: float) -> LimitPoint:
+        """The point at ``limit_w``.
+
+        Raises:
+            ProfileError: The profile has no such limit.
+        """
+        for p in self.points:
+            if p.limit_w == limit_w:
+                return p
+        have = ", ".join(f"{x:g}" for x in self.limits_w)
+        raise ProfileError(f"profile {self.name!r} has no {limit_w:g} W limit (has {have})")
+
+
+def _require(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"profile file not found: {path}")
+    return path
+
+
+def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in needed if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
+        return list(reader)
+
+
+def _float(path: Path, row: dict[str, str], column: str) -> float:
+    try:
+        return float(row[column])
+    except (TypeError, ValueError):
+        raise ProfileError(f"{path}: {column}={row.get(column)!r} is not a number") from None
+
+
+def load_profile_csv(path: str | Path) -> Profile:
+    """Load a recorded power-limit profile: one row per profiling window.
+
+    Columns: ``window_name`` ending in ``_<limit in W>``, ``elapsed_time`` (s) and one
+    ``gpuN_energy`` (J) per GPU. Windows repeated at one limit are added up.
+    """
+    path = _require(path)
+    rows = _rows(path, ("window_name", "elapsed_time"))
+    if not rows:
+        raise ProfileError(f"{path}: no rows")
+    gpu_cols = [c for c in rows[0] if c.startswith("gpu") and c.endswith("_energy")]
+    if not gpu_cols:
+        raise ProfileError(f"{path}: no gpuN_energy column")
+    totals: dict[float, list[float]] = {}
+    for row in rows:
+        try:
+            limit = float(row["window_name"].rsplit("_", 1)[-1])
+        except ValueError:
+            name = row["window_name"]
+            raise ProfileError(f"{path}: window name {name!r} does not end in a limit") from None
+        energy = sum(_float(path, row, c) for c in gpu_cols)
+        t = totals.setdefault(limit, [0.0, 0.0])
+        t[0] += _float(path, row, "elapsed_time")
+        t[1] += energy
+    points = tuple(LimitPoint(limit, t, e) for limit, (t, e) in totals.items())
+    return Profile(path.stem, points, gpus=len(gpu_cols))
+
+
+_TRACE_COLUMNS = ("dataset", "network", "batch_size", "optimizer", "power_limit", "time_per_epoch",
+                  "average_power")
+
+
+def trace_profiles(path: str | Path) -> list[Profile]:
+    """Every profile in a per-power-limit trace (one per workload, batch size and optimizer).
+
+    Columns: ``dataset``, ``network``, ``batch_size``, ``optimizer``, ``power_limit`` (W),
+    ``time_per_epoch`` (s), ``average_power`` (W); energy per epoch is their product. Profile
+    names are ``dataset/network/batch_size/optimizer``.
+    """
+    path = _require(path)
+    groups: dict[str, list[LimitPoint]] = {}
+    for row in _rows(path, _TRACE_COLUMNS):
+        key = f"{row['dataset']}/{row['network']}/{row['batch_size']}/{row['optimizer']}"
+        t = _float(path, row, "time_per_epoch")
+        groups.setdefault(key, []).append(
+            LimitPoint(_float(path, row, "power_limit"), t, t * _float(path, row, "average_power"))
+        )
+    return [Profile(name, tuple(points)) for name, points in groups.items()]
+
+
+def load_power_trace(
+    path: str | Path, workload: str, batch_size: int, optimizer: str | None = None
+) -> Profile:
+    """One profile of a per-power-limit trace (see :func:`trace_profiles`).
+
+    Args:
+        path: The trace CSV.
+        workload: ``DATASET/NETWORK``, e.g. ``cifar100/shufflenetv2``.
+        batch_size: The batch size.
+        optimizer: Needed only where the trace has several for this workload and batch size.
+
+    Raises:
+        ProfileError: Nothing matches, or several optimizers match and none was given.
+    """
+    prefix = f"{workload}/{batch_size}/"
+    matches = [p for p in trace_profiles(path) if p.name.startswith(prefix)]
+    if optimizer is not None:
+        matches = [p for p in matches if p.name == prefix + optimizer]
+    if not matches:
+        raise ProfileError(f"{path}: no profile for {workload} batch size {batch_size}"
+                           + (f" optimizer {optimizer}" if optimizer else ""))
+    if len(matches) > 1:
+        names = ", ".join(p.name.rsplit("/", 1)[-1] for p in matches)
+        raise ProfileError(f"{path}: {workload} batch size {batch_size} has several optimizers "
+                           f"({names}); pass one")
+    return matches[0]
+
+
+def profiles_in(paths: Sequence[str | Path]) -> list[Profile]:
+    """Load every profile in the given files (profile CSVs and traces alike)."""
+    out: list[Profile] = []
+    for p in paths:
+        path = _require(p)
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        out.extend(trace_profiles(path) if "power_limit" in header else [load_profile_csv(path)])
+    return out
