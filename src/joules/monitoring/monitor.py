@@ -18,7 +18,7 @@ from joules.devices.discovery import discover
 from joules.errors import DeviceNotFoundError, WindowError
 from joules.monitoring.log import WindowLog
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
-from joules.monitoring.sampler import PowerSampler
+from joules.monitoring.sampler import CounterTracker, PowerSampler
 from joules.monitoring.sync import SyncSpec, make_sync
 
 P = ParamSpec("P")
@@ -136,16 +136,14 @@ class EnergyMonitor:
         self.last: dict[str, Measurement] = {}
 
     # -- edges ------------------------------------------------------------------------------
-    def _interpolated_begin(self, gpu: GPU, b: _GPUEdge, e: _GPUEdge) -> float:
+    @staticmethod
+    def _interpolated_begin(tracker: CounterTracker, b: _GPUEdge, e: _GPUEdge) -> float:
         """Energy reading at a window's begin edge, refined once later updates are known.
 
         At the begin edge only the power before it is known; by the end, the counter's next
         update after the edge usually is too, and interpolating between the two updates
         around the edge is more accurate than extrapolating a power reading.
         """
-        tracker = self.sampler.tracker(gpu.index)
-        if tracker is None or b.tick != b.tick:  # NaN: no counter reading at this edge
-            return b.energy
         after = tracker.update_after(b.counter)
         if after is None:
             return b.energy
@@ -323,7 +321,9 @@ class EnergyMonitor:
                 source, corrected = Source.ESTIMATE, True
                 uncertainty = (self.sampler.power_spread(g.index) + _GPU_POWER_RESOLUTION_W) * elapsed
             elif self._counter[k]:
-                energy = max(0.0, e.energy - self._interpolated_begin(g, b, e))
+                tracker = self._trackers[k]
+                assert tracker is not None
+                energy = max(0.0, e.energy - self._interpolated_begin(tracker, b, e))
                 source = Source.COUNTER
                 corrected = elapsed < self._periods[k]
                 uncertainty = b.uncertainty + e.uncertainty
