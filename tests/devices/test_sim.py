@@ -615,3 +615,22 @@ def test_an_hour_of_virtual_time_is_fast() -> None:
     mean_cpu = 95.0 + (0.3 + 0.7 * 0.2) * (350.0 - 95.0)
     assert cpu.true_package_energy_j() == pytest.approx(3600.0 * mean_cpu, rel=1e-6)
     assert cpu.package_energy_j() - cpu_start == pytest.approx(3600.0 * mean_cpu, abs=1.0)
+
+
+def test_run_takes_longer_under_a_lower_power_limit():
+    from joules.devices.sim import Constant, Simulator
+
+    sim = Simulator("A100x2")
+    sim.set_workload(Constant(1.0))
+    assert sim.run(1.0) == pytest.approx(1.0)
+    sim.gpus[1].set_power_limit_w(200.0)  # the slowest GPU sets the pace
+    slow = sim.step_time_s(1.0)
+    assert slow == pytest.approx(1.0 / sim.gpus[1].relative_speed())
+    assert 1.1 < slow < 2.0
+    half = sim.step_time_s(1.0, compute_fraction=0.5)
+    assert half == pytest.approx(0.5 + 0.5 * slow)
+    t0 = sim.clock.now()
+    assert sim.run(2.0) == pytest.approx(2 * slow)
+    assert sim.clock.now() - t0 == pytest.approx(2 * slow)
+    with pytest.raises(ValueError, match="compute_fraction"):
+        sim.step_time_s(1.0, compute_fraction=1.5)

@@ -105,6 +105,23 @@ class Simulator:
             raise TypeError("only a simulator on a VirtualClock can be advanced by hand")
         self.clock.advance(seconds)
 
+    def step_time_s(self, work_s: float, compute_fraction: float = 1.0, utilization: float = 1.0) -> float:
+        """How long ``work_s`` seconds of full-speed work take at the current limits and clocks.
+
+        A ``compute_fraction`` of the work scales with the SM clock, the rest (memory- or
+        input-bound) does not; the slowest GPU sets the pace, as in data-parallel training.
+        """
+        if work_s < 0 or not 0.0 <= compute_fraction <= 1.0:
+            raise ValueError("work_s must be >= 0 and compute_fraction within [0, 1]")
+        speed = min((g.relative_speed(utilization) for g in self.gpus), default=1.0)
+        return work_s * ((1.0 - compute_fraction) + compute_fraction / max(speed, 1e-9))
+
+    def run(self, work_s: float, compute_fraction: float = 1.0, utilization: float = 1.0) -> float:
+        """Advance a virtual clock through ``work_s`` of work (see :meth:`step_time_s`); return the time."""
+        elapsed = self.step_time_s(work_s, compute_fraction, utilization)
+        self.advance(elapsed)
+        return elapsed
+
     def devices(self) -> DeviceSet:
         """The simulated devices as a :class:`DeviceSet`."""
         return DeviceSet(
