@@ -24,12 +24,13 @@ from joules.errors import (
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
 from joules.monitoring.monitor import EnergyMonitor, WindowHandle
 from joules.monitoring.sampler import PowerSampler
+from joules.optimizers.power_limit import PowerLimitOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPU", "GPU", "Clock", "DeviceEnergy", "DeviceNotFoundError", "DevicePermissionError",
-    "DeviceSet", "EnergyMonitor", "InvalidSpecError", "JoulesError", "Measurement",
-    "NotSupportedError", "PowerSampler", "Problem", "RealClock", "Source", "VirtualClock",
+    "CPU", "Clock", "DeviceEnergy", "DeviceNotFoundError", "DevicePermissionError", "DeviceSet",
+    "EnergyMonitor", "GPU", "InvalidSpecError", "JoulesError", "Measurement", "NotSupportedError",
+    "PowerLimitOptimizer", "PowerSampler", "Problem", "RealClock", "Source", "VirtualClock",
     "WindowError", "WindowHandle", "discover",
 ]

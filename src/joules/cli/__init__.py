@@ -1,4 +1,4 @@
-"""The ``joules`` command line: ``info``, ``measure``, ``power``, ``demo``."""
+"""The ``joules`` command line: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def parse_indices(value: str | None, what: str) -> list[int] | None:
 
 
 def _register() -> None:
-    from joules.cli import demo, info, measure, power, simulate
+    from joules.cli import demo, info, measure, power, restore, simulate
 
-    for module in (info, measure, power, demo, simulate):
+    for module in (info, measure, power, demo, simulate, restore):
         module.register(app)
 
 

@@ -52,7 +52,7 @@ def power_limit(
     else:
         prof = load_profile_csv(profile)
     sel = parse_selector(selector, prof.gpus)
-    strategy = (Adaptive if search == "adaptive" else Sweep)(prof.limits_w, sel)
+    strategy = Adaptive(prof.limits_w, sel, prof.gpus) if search == "adaptive" else Sweep(prof.limits_w, sel)
     result = replay(prof, strategy)
     if as_json:
         print(json.dumps(result.to_dict()))

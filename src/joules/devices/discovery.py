@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from joules.devices.base import DeviceSet, Problem
 
 SIM_ENV = "JOULES_SIM"
+SIM_STATE_ENV = "JOULES_SIM_STATE"
 
 _cache: dict[str, DeviceSet] = {}
 _cache_lock = threading.Lock()
@@ -23,10 +24,11 @@ def discover(
     """Return the devices of this machine, or simulated ones.
 
     Simulated hardware is used when ``sim`` is given or ``JOULES_SIM`` is set; it runs on
-    the real clock so real programs can be measured on it. Otherwise NVIDIA GPUs (NVML),
-    else AMD GPUs (amdsmi), and CPU packages through Linux powercap RAPL. Every problem met
-    (missing library, no permission) is listed in ``DeviceSet.problems`` with its fix; no
-    exception is raised for missing hardware.
+    the real clock so real programs can be measured on it. When ``JOULES_SIM_STATE`` names a
+    file, its GPUs keep their power limits and clock locks there, across processes.
+    Otherwise NVIDIA GPUs (NVML), else AMD GPUs (amdsmi), and CPU packages through Linux
+    powercap RAPL. Every problem met (missing library, no permission) is listed in
+    ``DeviceSet.problems`` with its fix; no exception is raised for missing hardware.
 
     The result is cached per process (devices are shared by every monitor); pass
     ``refresh=True`` to look again.
@@ -36,19 +38,20 @@ def discover(
     """
     env = os.environ if env is None else env
     spec = sim if sim is not None else env.get(SIM_ENV) or None
-    key = f"sim:{spec}" if spec else f"real:{rapl_root}"
+    state = env.get(SIM_STATE_ENV) or None
+    key = f"sim:{spec}:{state or ''}" if spec else f"real:{rapl_root}"
     with _cache_lock:
         if not refresh and key in _cache:
             return _cache[key]
-        devices = _discover_sim(spec) if spec else _discover_real(env, rapl_root)
+        devices = _discover_sim(spec, state) if spec else _discover_real(env, rapl_root)
         _cache[key] = devices
         return devices
 
 
-def _discover_sim(spec: str) -> DeviceSet:
+def _discover_sim(spec: str, state_file: str | None = None) -> DeviceSet:
     from joules.devices.sim import Simulator
 
-    return Simulator.realtime(spec).devices()
+    return Simulator.realtime(spec, state_file=state_file).devices()
 
 
 def _discover_real(env: Mapping[str, str], rapl_root: str) -> DeviceSet:

@@ -5,12 +5,19 @@ comma-separated list of items ``MODEL`` or ``MODELxN``: GPU models (``P100``, ``
 ``A40``, ``A100``, ``H100``, ``H200``), CPU models (``XEON8480``, ``XEON6248``,
 ``EPYC7763``) or ``nocpu``. Without a CPU item, one ``XEON8480`` package is added.
 Examples: ``A100``, ``H100x4``, ``V100,A40``, ``A100x2,EPYC7763x2``, ``H200,nocpu``.
+
+A simulated GPU forgets its power limit and locked clocks when its process exits, unlike a
+real one. With ``JOULES_SIM_STATE=path`` (or ``Simulator(..., state_file=path)``) they are
+kept in a JSON file instead: each GPU starts from what the file records for its index and
+records every change (see :mod:`joules.devices.sim.state`), so several processes can share
+the same simulated GPUs' settings.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from joules.clock import Clock, RealClock, VirtualClock
 from joules.devices.base import DeviceSet
@@ -76,11 +83,14 @@ class Simulator:
         spec: Hardware SPEC (see module docs).
         clock: Clock to run on; a new :class:`VirtualClock` by default. Use a
             :class:`RealClock` to measure real programs on simulated hardware.
+        state_file: A JSON file that keeps the GPUs' power limits and SM clock locks across
+            processes (see module docs); ``None`` keeps them in memory only.
 
     """
 
     spec: str
     clock: Clock = field(default_factory=VirtualClock)
+    state_file: str | Path | None = None
     gpus: list[SimGPU] = field(init=False)
     cpus: list[SimCPU] = field(init=False)
 
@@ -88,11 +98,15 @@ class Simulator:
         gpu_models, cpu_models = parse_spec(self.spec)
         self.gpus = [SimGPU(m, self.clock, index=i) for i, m in enumerate(gpu_models)]
         self.cpus = [SimCPU(m, self.clock, index=i) for i, m in enumerate(cpu_models)]
+        if self.state_file is not None:
+            from joules.devices.sim.state import SimStateFile
+
+            SimStateFile(self.state_file).attach(self.gpus)
 
     @classmethod
-    def realtime(cls, spec: str) -> Simulator:
+    def realtime(cls, spec: str, state_file: str | Path | None = None) -> Simulator:
         """Simulated devices on the real clock (for measuring real programs)."""
-        return cls(spec, clock=RealClock())
+        return cls(spec, clock=RealClock(), state_file=state_file)
 
     def set_workload(self, workload: Workload, gpus: bool = True, cpus: bool = True) -> None:
         """Run ``workload`` on every simulated device from now on."""
@@ -105,18 +119,23 @@ class Simulator:
             raise TypeError("only a simulator on a VirtualClock can be advanced by hand")
         self.clock.advance(seconds)
 
-    def step_time_s(self, work_s: float, compute_fraction: float = 1.0, utilization: float = 1.0) -> float:
+    def step_time_s(self, work_s: float, compute_fraction: float = 1.0,
+                    utilization: float | None = None) -> float:
         """How long ``work_s`` seconds of full-speed work take at the current limits and clocks.
 
         A ``compute_fraction`` of the work scales with the SM clock, the rest (memory- or
         input-bound) does not; the slowest GPU sets the pace, as in data-parallel training.
+        Each GPU's clock is the one its current workload gets (or the one at ``utilization``).
         """
         if work_s < 0 or not 0.0 <= compute_fraction <= 1.0:
             raise ValueError("work_s must be >= 0 and compute_fraction within [0, 1]")
-        speed = min((g.relative_speed(utilization) for g in self.gpus), default=1.0)
+        speed = min(
+            (g.relative_speed(g.utilization() if utilization is None else utilization) for g in self.gpus),
+            default=1.0,
+        )
         return work_s * ((1.0 - compute_fraction) + compute_fraction / max(speed, 1e-9))
 
-    def run(self, work_s: float, compute_fraction: float = 1.0, utilization: float = 1.0) -> float:
+    def run(self, work_s: float, compute_fraction: float = 1.0, utilization: float | None = None) -> float:
         """Advance a virtual clock through ``work_s`` of work (see :meth:`step_time_s`); return the time."""
         elapsed = self.step_time_s(work_s, compute_fraction, utilization)
         self.advance(elapsed)

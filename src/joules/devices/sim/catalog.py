@@ -35,6 +35,9 @@ class GPUModel:
             returns (1 s on Ampere and newer); ``None`` when it returns the instant reading.
         instant_power_field: Whether the ``NVML_FI_DEV_POWER_INSTANT`` field is supported.
         peak_w: Power a fully busy GPU would draw with no power limit, W.
+        voltage_floor: Clock fraction below which the voltage stops scaling down: dynamic
+            power goes as ``f**3`` above it and only as ``f`` below, so very low limits slow
+            the GPU down more than they save power, as on real GPUs.
 
     """
 
@@ -56,6 +59,7 @@ class GPUModel:
     averaged_power_s: float | None
     instant_power_field: bool
     peak_w: float
+    voltage_floor: float = 0.8
 
     def with_overrides(self, **kwargs: object) -> GPUModel:
         """A copy with some fields changed."""

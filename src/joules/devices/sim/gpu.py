@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from joules.clock import Clock
@@ -13,8 +14,20 @@ from joules.devices.sim.catalog import GPUModel
 from joules.devices.sim.workload import Constant, Workload
 from joules.errors import DevicePermissionError, NotSupportedError
 
-# Dynamic power grows roughly with the cube of the clock (frequency times voltage squared).
-_CLOCK_EXPONENT = 3.0
+
+def _dynamic_scale(speed: float, floor: float) -> float:
+    """Dynamic power at clock fraction ``speed``: frequency times voltage squared.
+
+    Voltage scales with the clock down to ``floor`` and stays there below it.
+    """
+    return speed * max(speed, floor) ** 2
+
+
+def _speed_for(scale: float, floor: float) -> float:
+    """The inverse of :func:`_dynamic_scale`."""
+    if scale >= floor**3:
+        return scale ** (1.0 / 3.0)
+    return scale / floor**2
 
 
 @dataclass
@@ -35,8 +48,9 @@ class _Epoch:
 class SimGPU(GPU):
     """A simulated GPU that draws power from a workload model.
 
-    Power at utilization ``u`` is ``idle + u * (peak - idle) * (f / f_max) ** 3``, capped by
-    the power limit; the clock ``f`` is the locked maximum, or the highest clock that fits
+    Power at utilization ``u`` is ``idle + u * (peak - idle) * s * max(s, floor) ** 2`` with
+    ``s = f / f_max`` (frequency times voltage squared; the voltage stops falling at a floor),
+    capped by the power limit; the clock ``f`` is the locked maximum, or the highest clock that fits
     under the power limit. Sensors have the artifacts of the real ones: the energy counter
     is updated every ``counter_period_s`` (at a per-GPU phase) in 1 mJ steps; the instant
     power reading is updated every ``power_period_s`` and averages only the last
@@ -53,6 +67,10 @@ class SimGPU(GPU):
             start at zero).
         allow_control: When false, changing power limit or clocks raises a permission error,
             as for a non-root user.
+
+    Attributes:
+        on_change: Called with the GPU after each change of its power limit or SM clock lock
+            (the simulator's state file uses it to make settings outlive the process).
 
     """
 
@@ -74,6 +92,7 @@ class SimGPU(GPU):
         self.name = model.name
         self.uuid = f"GPU-5e1a7ed0-{index:04d}-4000-8000-{zlib.crc32(model.name.encode()):012d}"
         self.allow_control = allow_control
+        self.on_change: Callable[[SimGPU], None] | None = None
         self._lock = threading.RLock()
         self._t_created = clock.now()
         self._phase = ((index * 0.37) % 1.0) * model.counter_period_s
@@ -90,7 +109,7 @@ class SimGPU(GPU):
     # -- physics ----------------------------------------------------------------------------
     def _power_of(self, epoch: _Epoch, u: float) -> float:
         m = self.model
-        scale = (epoch.sm_cap_mhz / m.max_sm_mhz) ** _CLOCK_EXPONENT
+        scale = _dynamic_scale(epoch.sm_cap_mhz / m.max_sm_mhz, m.voltage_floor)
         return min(m.idle_w + u * (m.peak_w - m.idle_w) * scale, max(epoch.limit_w, m.idle_w))
 
     def _integral(self, epoch: _Epoch, t0: float, t1: float) -> float:
@@ -150,6 +169,26 @@ class SimGPU(GPU):
         with self._lock:
             self._new_epoch(workload=workload, workload_t0=self.clock.now())
 
+    def load_control_state(
+        self, power_limit_w: float | None, sm_clock_lock_mhz: tuple[float, float] | None
+    ) -> None:
+        """Start from settings a previous process left (values outside the model's ranges are ignored)."""
+        m = self.model
+        with self._lock:
+            changes: dict[str, object] = {}
+            if power_limit_w is not None and m.min_limit_w <= power_limit_w <= m.max_limit_w:
+                changes["limit_w"] = float(power_limit_w)
+            lock = sm_clock_lock_mhz
+            if lock is not None and m.min_sm_mhz <= lock[0] <= lock[1] <= m.max_sm_mhz:
+                self._sm_lock = (float(lock[0]), float(lock[1]))
+                changes["sm_cap_mhz"] = float(lock[1])
+            if changes:
+                self._new_epoch(**changes)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
     def true_energy_j(self) -> float:
         """Exact energy drawn since creation, J."""
         with self._lock:
@@ -163,6 +202,12 @@ class SimGPU(GPU):
             u = epoch.workload.utilization(now - epoch.workload_t0)
             return self._power_of(epoch, u)
 
+    def utilization(self) -> float:
+        """The workload's utilization now."""
+        with self._lock:
+            epoch = self._epochs[-1]
+            return epoch.workload.utilization(self.clock.now() - epoch.workload_t0)
+
     def relative_speed(self, utilization: float = 1.0) -> float:
         """Throughput relative to an unconstrained GPU at this utilization (clock ratio)."""
         with self._lock:
@@ -171,7 +216,7 @@ class SimGPU(GPU):
             f = epoch.sm_cap_mhz
             if utilization > 0:
                 room = max(epoch.limit_w - m.idle_w, 1e-9) / (utilization * (m.peak_w - m.idle_w))
-                f = min(f, m.max_sm_mhz * room ** (1.0 / _CLOCK_EXPONENT))
+                f = min(f, m.max_sm_mhz * _speed_for(room, m.voltage_floor))
             return f / m.max_sm_mhz
 
     # -- GPU interface: energy and power ----------------------------------------------------
@@ -232,6 +277,7 @@ class SimGPU(GPU):
         self._check_control("the power limit")
         with self._lock:
             self._new_epoch(limit_w=float(watts))
+            self._changed()
 
     # -- clocks -----------------------------------------------------------------------------
     def sm_clock_mhz(self) -> float:
@@ -261,12 +307,14 @@ class SimGPU(GPU):
         with self._lock:
             self._sm_lock = (float(min_mhz), float(max_mhz))
             self._new_epoch(sm_cap_mhz=float(max_mhz))
+            self._changed()
 
     def reset_sm_clock(self) -> None:
         self._check_control("SM clocks")
         with self._lock:
             self._sm_lock = None
             self._new_epoch(sm_cap_mhz=self.model.max_sm_mhz)
+            self._changed()
 
     def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
         self._check_control("memory clocks")

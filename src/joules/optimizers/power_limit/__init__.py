@@ -1,9 +1,10 @@
-"""GPU power-limit optimization: profiles, selectors, search strategies and their replay.
+"""GPU power-limit optimization: the online optimizer, selectors, searches, saved profiles, replay.
 
-The online optimizer that drives these during training is not written yet; the pieces here
-are usable on their own to replay recorded profiles (see :func:`replay`).
+:class:`PowerLimitOptimizer` finds the best limit while a job trains; the searches and
+selectors it uses can also be replayed on recorded profiles (see :func:`replay`).
 """
 
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer, State
 from joules.optimizers.power_limit.profile import (
     LimitPoint,
     Profile,
@@ -24,9 +25,11 @@ from joules.optimizers.power_limit.selectors import (
     Selector,
     parse_selector,
 )
+from joules.optimizers.power_limit.store import ProfileStore
 
 __all__ = [
     "Adaptive", "FunctionSelector", "LimitPoint", "MaxSlowdown", "MinCost", "MinEnergy", "MinTime",
-    "Profile", "ProfileError", "ReplayResult", "Search", "Selector", "Sweep", "load_power_trace",
-    "load_profile_csv", "parse_selector", "profiles_in", "replay", "trace_profiles",
+    "PowerLimitOptimizer", "Profile", "ProfileError", "ProfileStore", "ReplayResult", "Search",
+    "Selector", "State", "Sweep", "load_power_trace", "load_profile_csv", "parse_selector",
+    "profiles_in", "replay", "trace_profiles",
 ]

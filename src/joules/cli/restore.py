@@ -1,0 +1,50 @@
+"""``joules restore``: put back GPU settings that jobs which are gone (killed, crashed) left changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from joules.cli import SIM_HELP, use_sim
+from joules.devices.discovery import discover
+from joules.devices.restore import default_journal_dir, recover_report
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the app."""
+
+    @app.command()
+    def restore(
+        journal_dir: Path | None = typer.Option(
+            None, "--journal-dir", metavar="DIR",
+            help="Where restore journals are (default: $JOULES_STATE_DIR/restore, else "
+                 "$XDG_STATE_HOME/joules/restore or ~/.local/state/joules/restore).",
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
+    ) -> int:
+        """Restore power limits and clocks that jobs which are no longer running left changed.
+
+        Reads the journals that joules writes before changing a GPU; exits with 1 when
+        something could not be restored or a journal is unreadable.
+        """
+        use_sim(sim)
+        directory = journal_dir if journal_dir is not None else default_journal_dir()
+        lines = recover_report(discover().gpus, directory)
+        ok = all(line.ok for line in lines)
+        restored = sum(line.kind == "restored" for line in lines)
+        if as_json:
+            print(json.dumps({
+                "journal_dir": str(directory),
+                "restored": restored,
+                "ok": ok,
+                "actions": [{"kind": x.kind, "message": x.message, "journal": x.journal} for x in lines],
+            }, indent=2))
+        else:
+            for line in lines:
+                print(line.message)
+            if not restored and ok:
+                print("nothing to restore")
+        return 0 if ok else 1

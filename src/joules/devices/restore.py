@@ -1,0 +1,624 @@
+"""Put GPUs back the way they were, however the job that changed them ends.
+
+A power limit or a locked clock outlives the process that set it: a training job that
+lowers the limit and then crashes leaves the GPU slow for whoever comes next. A
+:class:`RestoreGuard` makes every change of a GPU go through it, remembers what the GPU had
+before its first change, and puts that back when the job ends:
+
+- explicitly (:meth:`RestoreGuard.restore`, or leaving its ``with`` block);
+- at interpreter exit, including after an uncaught exception (``atexit``);
+- on SIGINT and SIGTERM (when the first change is made in the main thread), after which
+  the signal goes on to the handler that was there before.
+
+SIGKILL (and a machine or driver crash) cannot be caught. For those, each guard keeps a
+small journal file, written *before* the device is changed, naming the GPUs and their
+original settings. :func:`recover` (run by every new guard, and by ``joules restore``)
+puts back what the journals of processes that are gone record, and deletes the journals.
+
+Journals live in ``$JOULES_STATE_DIR/restore``, else ``$XDG_STATE_HOME/joules/restore``,
+else ``~/.local/state/joules/restore``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from joules.devices.base import GPU
+from joules.errors import JoulesError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows
+    fcntl = None  # type: ignore[assignment]
+
+STATE_ENV = "JOULES_STATE_DIR"
+JOURNAL_FORMAT = 1
+
+logger = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def default_journal_dir() -> Path:
+    """``$JOULES_STATE_DIR/restore``, else ``$XDG_STATE_HOME/joules/restore``, else ``~/.local/state/...``."""
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV]) / "restore"
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "joules" / "restore"
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) from ``/proc/<pid>/stat``, or ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+        # Field 2 (the command name) is in parentheses and may hold spaces and ')'.
+        fields = text[text.rindex(")") + 2:].split()
+        return fields[0], int(fields[19])  # fields 3 and 22
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started (Linux: clock ticks since boot), or ``None`` where unknown.
+
+    Recorded in journals so that a new process that happens to get a dead one's pid is not
+    taken for it.
+    """
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def process_alive(pid: int, start_time: int | None = None) -> bool:
+    """Whether process ``pid`` (of this host) still runs, and is the one started at ``start_time``.
+
+    A zombie (exited, not yet reaped) counts as gone. Where it cannot be told, the answer
+    is "alive", so that nothing a live process set is undone.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, owned by another user
+    except OSError:
+        return True
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, started = stat
+    if state in ("Z", "X"):
+        return False
+    return start_time is None or started == start_time
+
+
+def _write_json_atomic(path: Path, data: object) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a :class:`RestoreGuard` changed on one GPU, and what it will put back.
+
+    Attributes:
+        uuid: The GPU's UUID.
+        index: The GPU's index in this process.
+        name: The GPU's model name.
+        original_power_limit_w: The limit the GPU had before the guard first changed it, or
+            ``None`` when the guard has not changed the limit.
+        sm_clock_locked: Whether the guard locked the SM clock (restore resets it).
+
+    """
+
+    uuid: str
+    index: int
+    name: str
+    original_power_limit_w: float | None
+    sm_clock_locked: bool
+
+
+class _Entry:
+    """The mutable record of one changed GPU."""
+
+    def __init__(self, gpu: GPU) -> None:
+        self.gpu = gpu
+        self.original_power_limit_w: float | None = None
+        self.sm_clock_locked = False
+
+    def empty(self) -> bool:
+        return self.original_power_limit_w is None and not self.sm_clock_locked
+
+    def journal(self) -> dict[str, object]:
+        return {
+            "uuid": self.gpu.uuid,
+            "index": self.gpu.index,
+            "name": self.gpu.name,
+            "power_limit_w": self.original_power_limit_w,
+            "sm_clock_locked": self.sm_clock_locked,
+        }
+
+
+class RestoreGuard:
+    """Records the state GPUs had before joules first changed them, and puts it back.
+
+    Change GPUs through :meth:`set_power_limit_w` and :meth:`lock_sm_clock`. The first time
+    a GPU is changed, its current power limit (the one it had before, which need not be
+    the default) is remembered and written to a journal file before the device is changed;
+    an ``atexit`` hook and SIGINT/SIGTERM handlers are installed. :meth:`restore` (also on
+    leaving a ``with`` block, at exit and on those signals) puts every changed GPU back,
+    removes the journal and uninstalls the hooks. After a signal, the handler that was
+    installed before runs: Python's default SIGINT handler raises ``KeyboardInterrupt``, and
+    a default SIGTERM is re-sent so the process still dies "killed by SIGTERM". Several
+    guards in one process chain the same way.
+
+    Signal handlers can only be installed from the main thread; when the first change is
+    made from another thread, or with ``handle_signals=False``, none are installed, and
+    :meth:`restore`, the ``with`` block, an exception reaching the top and interpreter exit
+    still restore (a signal with Python's default handling then skips them). The hooks act
+    only in the process that made the changes, not in children forked from it. Thread-safe.
+
+    Args:
+        gpus: The GPUs this guard may change; stale journals are recovered for these.
+        journal_dir: Where journals live (default: :func:`default_journal_dir`).
+        handle_signals: Restore on SIGINT and SIGTERM too (main thread only).
+        recover_stale: First put back what journals of processes that are gone record for
+            these GPUs (see :func:`recover`); what was done is in :attr:`recovered`.
+
+    Attributes:
+        recovered: What the initial recovery restored, kept or could not read, one line
+            each (journals of running processes and other hosts are not listed).
+
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[GPU],
+        journal_dir: str | Path | None = None,
+        handle_signals: bool = True,
+        recover_stale: bool = True,
+    ) -> None:
+        self.gpus = list(gpus)
+        self.journal_dir = Path(journal_dir) if journal_dir is not None else default_journal_dir()
+        self.handle_signals = handle_signals
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._id = secrets.token_hex(4)
+        self._owner_pid: int | None = None
+        self._journal: Path | None = None
+        self._journal_warned = False
+        self._atexit_registered = False
+        self._prev_handlers: dict[int, _Handler] = {}
+        self._busy_thread: int | None = None
+        self._pending_signals: list[tuple[int, FrameType | None]] = []
+        self.recovered: list[str] = []
+        if recover_stale:
+            for line in recover_report(self.gpus, self.journal_dir):
+                if line.kind in ("live", "other-host"):
+                    logger.debug("joules: %s", line.message)
+                else:
+                    self.recovered.append(line.message)
+                    logger.warning("joules: %s", line.message)
+
+    # -- public -----------------------------------------------------------------------------
+    @property
+    def changed(self) -> list[Change]:
+        """The GPUs changed through this guard and not yet restored, in order of first change."""
+        with self._lock:
+            return [
+                Change(e.gpu.uuid, e.gpu.index, e.gpu.name, e.original_power_limit_w, e.sm_clock_locked)
+                for e in self._entries.values()
+            ]
+
+    @property
+    def journal_path(self) -> Path | None:
+        """The journal file while there is something to restore, else ``None``."""
+        with self._lock:
+            return self._journal
+
+    def set_power_limit_w(self, gpu: GPU, watts: float) -> None:
+        """Set ``gpu``'s power limit, remembering (and journaling) the limit it had first.
+
+        Raises:
+            ValueError: ``watts`` is outside the GPU's range (nothing is changed).
+            DevicePermissionError: No permission (nothing is changed or left in the journal).
+        """
+        gpu.check_power_limit(watts)
+        with self._critical():
+            entry = self._entries.get(gpu.uuid)
+            recorded = entry is None or entry.original_power_limit_w is None
+            if recorded:
+                original = gpu.power_limit_w()
+                if entry is None:
+                    entry = self._entries[gpu.uuid] = _Entry(gpu)
+                entry.original_power_limit_w = original
+                self._register()
+                self._write_journal()
+            assert entry is not None
+            try:
+                gpu.set_power_limit_w(watts)
+            except (JoulesError, ValueError):  # the device refused: it is unchanged
+                if recorded:
+                    entry.original_power_limit_w = None
+                    self._forget(entry)
+                raise
+
+    def lock_sm_clock(self, gpu: GPU, min_mhz: float, max_mhz: float) -> None:
+        """Lock ``gpu``'s SM clock to [min_mhz, max_mhz]; restoring resets it.
+
+        Raises:
+            ValueError: The range is not supported (nothing is changed).
+            DevicePermissionError: No permission (nothing is changed or left in the journal).
+        """
+        with self._critical():
+            entry = self._entries.get(gpu.uuid)
+            recorded = entry is None or not entry.sm_clock_locked
+            if recorded:
+                if entry is None:
+                    entry = self._entries[gpu.uuid] = _Entry(gpu)
+                entry.sm_clock_locked = True
+                self._register()
+                self._write_journal()
+            assert entry is not None
+            try:
+                gpu.lock_sm_clock(min_mhz, max_mhz)
+            except (JoulesError, ValueError):
+                if recorded:
+                    entry.sm_clock_locked = False
+                    self._forget(entry)
+                raise
+
+    def restore(self) -> list[str]:
+        """Put every changed GPU back; idempotent.
+
+        Resets the clocks the guard locked and sets the original power limits. An error on
+        one GPU does not stop the others: each is logged as a warning and returned, and
+        what could not be restored stays in the journal (for ``joules restore`` later) and
+        in the guard (a later call tries again). Then the journal file is removed and the
+        ``atexit`` hook and signal handlers are uninstalled. Nothing is raised.
+
+        Returns:
+            One line per error; empty when everything was restored.
+        """
+        errors: list[str] = []
+        with self._critical():
+            for uuid, entry in list(self._entries.items()):
+                gpu = entry.gpu
+                if entry.sm_clock_locked:
+                    try:
+                        gpu.reset_sm_clock()
+                        entry.sm_clock_locked = False
+                    except Exception as e:  # noqa: BLE001 - go on with the other GPUs
+                        errors.append(f"GPU {gpu.index} ({gpu.uuid}): could not reset the SM clock: {e}")
+                if entry.original_power_limit_w is not None:
+                    try:
+                        gpu.set_power_limit_w(entry.original_power_limit_w)
+                        entry.original_power_limit_w = None
+                    except Exception as e:  # noqa: BLE001 - go on with the other GPUs
+                        errors.append(
+                            f"GPU {gpu.index} ({gpu.uuid}): could not restore the power limit "
+                            f"{entry.original_power_limit_w:g} W: {e}"
+                        )
+                if entry.empty():
+                    del self._entries[uuid]
+            self._write_journal()
+            self._unregister()
+        for line in errors:
+            logger.warning("joules: %s", line)
+        return errors
+
+    def __enter__(self) -> RestoreGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    # -- internals --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _critical(self) -> Iterator[None]:
+        """Hold the lock; a signal arriving in this thread meanwhile is handled on the way out.
+
+        Handling it in the middle would restore a GPU while its change is half made.
+        """
+        pending: list[tuple[int, FrameType | None]] = []
+        with self._lock:
+            outermost = self._busy_thread is None
+            self._busy_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                if outermost:
+                    self._busy_thread = None
+                    pending, self._pending_signals = self._pending_signals, []
+        for signum, frame in pending:
+            self._on_signal(signum, frame)
+
+    def _forget(self, entry: _Entry) -> None:
+        """Drop an entry with nothing left to restore, and the journal and hooks if none is left."""
+        if entry.empty():
+            self._entries.pop(entry.gpu.uuid, None)
+        self._write_journal()
+        if not self._entries:
+            self._unregister()
+
+    def _write_journal(self) -> None:
+        """Write the journal of what is left to restore, or remove it when nothing is."""
+        try:
+            if not self._entries:
+                if self._journal is not None:
+                    self._journal.unlink(missing_ok=True)
+                    self._journal = None
+                return
+            if self._journal is None:
+                host = re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
+                self._journal = self.journal_dir / f"{host}-{os.getpid()}-{self._id}.json"
+            _write_json_atomic(self._journal, {
+                "format": JOURNAL_FORMAT,
+                "host": _hostname(),
+                "pid": os.getpid(),
+                "process_start_time": process_start_time(os.getpid()),
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "gpus": [e.journal() for e in self._entries.values()],
+            })
+        except OSError as e:
+            if not self._journal_warned:
+                self._journal_warned = True
+                logger.warning(
+                    "joules: cannot write the restore journal in %s (%s); GPUs are still restored "
+                    "on exit and on SIGINT/SIGTERM, but not after SIGKILL. Set %s to a writable "
+                    "directory to fix this.", self.journal_dir, e, STATE_ENV,
+                )
+
+    def _register(self) -> None:
+        if self._owner_pid is None:
+            self._owner_pid = os.getpid()
+        if not self._atexit_registered:
+            atexit.register(self._at_exit)
+            self._atexit_registered = True
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _SIGNALS:
+            if signum in self._prev_handlers:
+                # Installed and not put back: on top, or under a later guard's handler that
+                # chains to ours. Installing again could make a loop.
+                continue
+            try:
+                prev = signal.getsignal(signum)
+                signal.signal(signum, self._handle_signal)
+            except (ValueError, OSError):
+                continue
+            self._prev_handlers[signum] = prev
+
+    def _unregister(self) -> None:
+        if self._atexit_registered:
+            atexit.unregister(self._at_exit)
+            self._atexit_registered = False
+        for signum, prev in list(self._prev_handlers.items()):
+            try:
+                if signal.getsignal(signum) == self._handle_signal:
+                    signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+                    del self._prev_handlers[signum]
+                # Otherwise a later handler chains to ours: ours stays, passing signals on.
+            except (ValueError, OSError):  # not the main thread: ours stays, passing signals on
+                pass
+
+    def _at_exit(self) -> None:
+        if os.getpid() == self._owner_pid:
+            self.restore()
+
+    def _handle_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._busy_thread == threading.get_ident():
+            self._pending_signals.append((signum, frame))
+            return
+        self._on_signal(signum, frame)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        if os.getpid() == self._owner_pid:
+            self.restore()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:  # SIG_DFL, or a handler installed outside Python
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+# -- recovery of what processes that are gone left ----------------------------------------------
+@dataclass(frozen=True)
+class RecoveryLine:
+    """One thing :func:`recover_report` did or found.
+
+    Attributes:
+        kind: ``restored`` (a GPU was put back), ``failed`` (putting it back failed; the
+            journal keeps it), ``kept`` (the GPU is not among those given; the journal keeps
+            it), ``live`` (the journal's process still runs), ``other-host`` (written on
+            another host), ``corrupt`` (unreadable journal, left as is).
+        message: The human-readable line.
+        journal: The journal file.
+
+    """
+
+    kind: str
+    message: str
+    journal: str
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing here needs a person's attention."""
+        return self.kind not in ("failed", "corrupt")
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """Serialize recoveries of one journal directory (several ranks of a job start at once)."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        f = open(directory / ".recover.lock", "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _parse_journal(data: object) -> tuple[str, int, int | None, list[dict[str, Any]]]:
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    host, pid, gpus = data.get("host"), data.get("pid"), data.get("gpus")
+    start = data.get("process_start_time")
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise ValueError("no valid host and pid")
+    if start is not None and not isinstance(start, int):
+        raise ValueError("bad process_start_time")
+    if not isinstance(gpus, list):
+        raise ValueError("no GPU list")
+    for g in gpus:
+        if not isinstance(g, dict) or not isinstance(g.get("uuid"), str):
+            raise ValueError("a GPU entry without a uuid")
+        limit = g.get("power_limit_w")
+        if limit is not None and (not isinstance(limit, int | float) or isinstance(limit, bool)):
+            raise ValueError(f"bad power_limit_w {limit!r}")
+    return host, pid, start, gpus
+
+
+def _recover_journal(path: Path, by_uuid: dict[str, GPU], host: str) -> list[RecoveryLine]:
+    def line(kind: str, message: str) -> RecoveryLine:
+        return RecoveryLine(kind, message, str(path))
+
+    try:
+        data = json.loads(path.read_text())
+        j_host, pid, start, entries = _parse_journal(data)
+    except FileNotFoundError:
+        return []  # removed meanwhile
+    except (OSError, ValueError) as e:
+        return [line("corrupt", f"{path}: unreadable restore journal, left as is ({e})")]
+    if j_host != host:
+        return [line("other-host", f"{path.name}: written on host {j_host}, not this one; left alone")]
+    if process_alive(pid, start):
+        return [line("live", f"{path.name}: process {pid} still runs; left alone")]
+
+    lines: list[RecoveryLine] = []
+    remaining: list[dict[str, Any]] = []
+    for entry in entries:
+        gpu = by_uuid.get(entry["uuid"])
+        label = f"GPU {entry.get('index', '?')} ({entry.get('name', '?')}, {entry['uuid']})"
+        if gpu is None:
+            remaining.append(entry)
+            lines.append(line("kept", f"{label}: left changed by process {pid}, which is gone, but not "
+                                      f"visible here; kept in {path.name}"))
+            continue
+        label = f"GPU {gpu.index} ({gpu.name}, {gpu.uuid})"
+        done: list[str] = []
+        failed: list[str] = []
+        left = dict(entry)
+        if entry.get("sm_clock_locked"):
+            try:
+                gpu.reset_sm_clock()
+                done.append("SM clock unlocked")
+                left["sm_clock_locked"] = False
+            except Exception as e:  # noqa: BLE001 - report and keep the entry
+                failed.append(f"could not reset the SM clock: {e}")
+        original = entry.get("power_limit_w")
+        if original is not None:
+            try:
+                before: float | None = gpu.power_limit_w()
+            except Exception:  # noqa: BLE001 - only for the message
+                before = None
+            try:
+                gpu.set_power_limit_w(float(original))
+                done.append(f"power limit {before:g} W -> {original:g} W" if before is not None
+                            else f"power limit set to {original:g} W")
+                left["power_limit_w"] = None
+            except Exception as e:  # noqa: BLE001 - report and keep the entry
+                failed.append(f"could not restore the power limit {original:g} W: {e}")
+        if done:
+            lines.append(line("restored", f"{label}: {', '.join(done)} (left by process {pid}, now gone)"))
+        if failed:
+            lines.append(line("failed", f"{label}: {'; '.join(failed)}; kept in {path.name}"))
+            remaining.append(left)
+        elif not done:
+            lines.append(line("restored", f"{label}: nothing left to restore (process {pid} is gone)"))
+    try:
+        if remaining:
+            if remaining != entries:
+                _write_json_atomic(path, {**data, "gpus": remaining})
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        lines.append(line("failed", f"{path}: could not update the journal: {e}"))
+    return lines
+
+
+def recover_report(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -> list[RecoveryLine]:
+    """Like :func:`recover`, with each line's kind (see :class:`RecoveryLine`)."""
+    directory = Path(journal_dir) if journal_dir is not None else default_journal_dir()
+    if not directory.is_dir():
+        return []
+    by_uuid = {g.uuid: g for g in gpus}
+    host = _hostname()
+    lines: list[RecoveryLine] = []
+    with _directory_lock(directory):
+        for path in sorted(directory.glob("*.json")):
+            lines += _recover_journal(path, by_uuid, host)
+    return lines
+
+
+def recover(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -> list[str]:
+    """Put back what processes that are gone left changed on ``gpus``, from their journals.
+
+    For each journal written on this host by a process that no longer runs (its pid is
+    gone, a zombie, or now belongs to a process started at another time), the GPUs among
+    ``gpus`` it names (matched by UUID) get their clocks reset and their original power
+    limits back. A journal is deleted once every GPU in it was handled; GPUs not among
+    ``gpus`` (another container, other visible devices) stay in it. Journals of running
+    processes and of other hosts are left alone; unreadable ones are reported and kept.
+
+    Args:
+        gpus: The GPUs that may be restored.
+        journal_dir: Where journals live (default: :func:`default_journal_dir`).
+
+    Returns:
+        Human-readable lines of what was done and found; empty when there were no journals.
+    """
+    return [line.message for line in recover_report(gpus, journal_dir)]

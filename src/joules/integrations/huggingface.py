@@ -1,0 +1,83 @@
+"""Drive a :class:`PowerLimitOptimizer` from a Hugging Face ``transformers.Trainer``.
+
+::
+
+    from joules.integrations.huggingface import PowerLimitCallback
+
+    optimizer = PowerLimitOptimizer(EnergyMonitor(), selector="cost:0.5", workload="bert-base/b32")
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[PowerLimitCallback(optimizer)])
+    with optimizer:          # restores the GPUs' limits even when training raises
+        trainer.train()
+
+What counts as a step: the Trainer's ``on_step_begin`` / ``on_step_end`` bracket one
+*optimizer* step, so with ``gradient_accumulation_steps=k`` one joules step is ``k``
+micro-batches (``warmup_steps`` and ``profile_steps`` count optimizer steps).
+
+Evaluation and checkpoint saving are not training steps: when the Trainer is about to
+evaluate or save after a step (``control.should_evaluate`` / ``control.should_save``, set by
+the Trainer's own flow callback, which runs before this one), the measurement pauses exactly
+as at an epoch end, and warms up again afterwards. Logging does not pause it.
+
+Restoring the limits: the Trainer calls ``on_train_end`` (which restores the limits the GPUs
+had before) only when training finishes; when ``trainer.train()`` raises, no callback runs.
+Wrap it in ``with optimizer:`` to restore at once; without it, the optimizer's restore guard
+still restores when the exception ends the interpreter (``atexit``) and on SIGINT/SIGTERM,
+but a caught exception (e.g. in a notebook) would leave the limit set until then.
+
+Every rank of a distributed job runs its own callback and optimizer; the optimizer agrees on
+the limit with the other ranks through ``torch.distributed`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "joules.integrations.huggingface needs the transformers package: "
+        "pip install 'joules[huggingface]'"
+    ) from e
+
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
+
+__all__ = ["PowerLimitCallback"]
+
+
+class PowerLimitCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that drives a :class:`PowerLimitOptimizer`.
+
+    Args:
+        optimizer: The power-limit optimizer to drive (one per process).
+        pause_on_eval_and_save: Pause the measurement when the Trainer evaluates or saves a
+            checkpoint in the middle of an epoch (as at an epoch end).
+    """
+
+    def __init__(self, optimizer: PowerLimitOptimizer, *, pause_on_eval_and_save: bool = True) -> None:
+        if not isinstance(optimizer, PowerLimitOptimizer):
+            raise TypeError(f"expected a PowerLimitOptimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self.pause_on_eval_and_save = pause_on_eval_and_save
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_train_begin()
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_epoch_begin()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_step_begin()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_step_end()
+        if self.pause_on_eval_and_save and (
+            getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
+        ):
+            self.optimizer.on_epoch_end()  # pauses a profile in progress; no-op otherwise
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_epoch_end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer.on_train_end()

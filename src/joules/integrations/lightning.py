@@ -1,0 +1,102 @@
+"""Drive a :class:`PowerLimitOptimizer` from a PyTorch Lightning ``Trainer``.
+
+::
+
+    from joules.integrations.lightning import PowerLimitCallback
+
+    optimizer = PowerLimitOptimizer(EnergyMonitor(), selector="cost:0.5", workload="resnet50/b256")
+    trainer = lightning.Trainer(max_epochs=10, callbacks=[PowerLimitCallback(optimizer)])
+    trainer.fit(model, train_loader, val_loader)
+
+The callback subclasses ``lightning.pytorch.Callback``, or ``pytorch_lightning.Callback`` when
+only the older ``pytorch_lightning`` package is installed (Lightning calls callback hooks by
+name, so either works with either ``Trainer``).
+
+What counts as a step: every *training batch* (``on_train_batch_start`` /
+``on_train_batch_end``). With ``accumulate_grad_batches=k`` only every ``k``-th batch runs the
+optimizer, so steps are not all alike: choose ``warmup_steps`` and ``profile_steps`` as
+multiples of ``k`` so that every profile holds whole accumulation cycles.
+
+Validation (including the sanity check before training) and checkpoint saving are not
+training steps: the measurement pauses when a validation loop starts and when a checkpoint is
+saved, as at an epoch end, and warms up again on the next training batches. (Lightning runs
+end-of-epoch validation *before* ``on_train_epoch_end``, so pausing at the epoch end alone
+would count it.)
+
+Restoring the limits: ``on_train_end`` puts back the limits the GPUs had before; so does
+``on_exception``, which Lightning calls when ``fit`` raises or is interrupted (Ctrl-C).
+Every rank runs its own callback and optimizer; the optimizer agrees on the limit with the
+other ranks through ``torch.distributed`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:
+    try:
+        from pytorch_lightning import Callback  # type: ignore[no-redef]
+    except ImportError as e:  # pragma: no cover - exercised only without lightning
+        raise ImportError(
+            "joules.integrations.lightning needs the lightning package: pip install 'joules[lightning]'"
+        ) from e
+
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
+
+__all__ = ["PowerLimitCallback"]
+
+
+class PowerLimitCallback(Callback):
+    """A Lightning ``Callback`` that drives a :class:`PowerLimitOptimizer`.
+
+    Args:
+        optimizer: The power-limit optimizer to drive (one per process).
+        pause_on_validation_and_save: Pause the measurement when a validation loop runs or a
+            checkpoint is saved during training (as at an epoch end).
+    """
+
+    def __init__(self, optimizer: PowerLimitOptimizer, *, pause_on_validation_and_save: bool = True) -> None:
+        if not isinstance(optimizer, PowerLimitOptimizer):
+            raise TypeError(f"expected a PowerLimitOptimizer, got {type(optimizer).__name__}")
+        super().__init__()
+        self.optimizer = optimizer
+        self.pause_on_validation_and_save = pause_on_validation_and_save
+
+    # -- training -------------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.optimizer.on_train_begin()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.optimizer.on_epoch_begin()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.optimizer.on_step_begin()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.optimizer.on_step_end()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.optimizer.on_epoch_end()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.optimizer.on_train_end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        try:
+            self.optimizer.on_train_end()  # drops a measurement in progress, then restores
+        finally:
+            self.optimizer.restore()  # idempotent: restores even if the line above failed
+
+    # -- not training steps ---------------------------------------------------------------
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # Also runs for the sanity check, before on_train_start: the optimizer ignores it then.
+        if self.pause_on_validation_and_save:
+            self.optimizer.on_epoch_end()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self.pause_on_validation_and_save:
+            self.optimizer.on_epoch_end()

@@ -1,0 +1,471 @@
+"""The online power-limit optimizer: profiles power limits during training, then keeps the best.
+
+Driven by training progress through callbacks (``on_train_begin``, ``on_epoch_begin``,
+``on_step_begin``, ``on_step_end``, ``on_epoch_end``, ``on_train_end``)::
+
+    monitor = EnergyMonitor()
+    with PowerLimitOptimizer(monitor, selector="cost:0.5", workload="resnet50-b256") as plo:
+        for epoch in range(epochs):
+            plo.on_epoch_begin()
+            for batch in loader:
+                plo.on_step_begin()
+                train_step(batch)
+                plo.on_step_end()
+            plo.on_epoch_end()
+            evaluate()
+
+For every limit the search proposes, the optimizer sets it on every GPU it controls, lets
+``warmup_steps`` steps pass, then measures ``profile_steps`` steps. An epoch end in the middle
+of a profile pauses the measurement (evaluation and data-loader restarts are not training
+steps); the next epoch warms up again and the measurement resumes where it stopped. When the
+search is done, the chosen limit is applied for the rest of training, and the limits the GPUs
+had before come back at the end (``on_train_end``, leaving the ``with`` block, an exception,
+Ctrl-C, SIGTERM, interpreter exit; see :class:`~joules.devices.restore.RestoreGuard`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from joules.devices.base import GPU
+from joules.devices.restore import RestoreGuard
+from joules.errors import DevicePermissionError, JoulesError
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.power_limit.profile import LimitPoint
+from joules.optimizers.power_limit.search import Adaptive, Search, Sweep
+from joules.optimizers.power_limit.selectors import Selector, parse_selector
+from joules.optimizers.power_limit.store import ProfileStore
+
+log = logging.getLogger("joules.power_limit")
+
+SearchFactory = Callable[[Sequence[float], Selector], Search]
+_WINDOW = "joules.power_limit"
+_PERMISSION_FIX = (
+    "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
+    "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
+)
+
+
+class State(StrEnum):
+    """Where the optimizer is."""
+
+    READY = "ready"
+    WARMUP = "warmup"
+    PROFILING = "profiling"
+    DONE = "done"
+
+
+@dataclass
+class _Accumulator:
+    """Measured steps at one limit, possibly over several segments split by epoch ends."""
+
+    limit_w: float
+    steps: int = 0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    segments: int = 0
+    warm: int = 0
+    segment_steps: int = 0
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+def _torch_dist() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class PowerLimitOptimizer:
+    """Finds the best GPU power limit for a training job while it trains, then applies it.
+
+    Args:
+        monitor: The energy monitor that measures the GPUs (its GPUs are the ones controlled,
+            unless ``gpu_indices`` names a subset).
+        selector: What "best" means: a :class:`Selector`, or ``"time"``, ``"energy"``,
+            ``"cost:ETA"`` (minimize ``ETA * energy + (1 - ETA) * max_power * time``) or
+            ``"slowdown:FACTOR"`` (least energy at most ``FACTOR`` times slower than the
+            highest limit).
+        search: ``"adaptive"`` (profiles few limits), ``"sweep"`` (every limit), or a
+            callable ``(limits, selector) -> Search``.
+        warmup_steps: Steps after a limit change (or an epoch start) that are not measured.
+        profile_steps: Steps measured at each limit.
+        step_w: Distance between candidate limits, from the highest allowed one down.
+        limits_w: Candidate limits instead of the ``step_w`` grid; each must be allowed on
+            every controlled GPU.
+        workload: Name of the workload (e.g. ``"bert-base/b32"``). With a name, the profile is
+            saved and a later job on the same GPU model and count reuses it without profiling.
+        store: Where profiles are saved: a :class:`ProfileStore`, a directory, or ``None`` for
+            the default one. Ignored without ``workload``.
+        gpu_indices: Which of the monitor's GPUs to control (default: all of them).
+        distributed: Agree on the limit with the other ``torch.distributed`` ranks: ``"auto"``
+            when a process group is initialized, or ``True``/``False``.
+        dry_run: Never change a GPU: run the whole schedule (and log the limits it would set)
+            at the current limit, e.g. to check the integration on a shared machine. The
+            choice then only reflects noise.
+        handle_signals: Restore limits on SIGINT and SIGTERM too (main thread only).
+        guard: The :class:`RestoreGuard` that records and restores every change (default: a
+            new one over the controlled GPUs, journaled in the default state directory).
+
+    Raises:
+        DevicePermissionError: At the first change, when the limits cannot be changed; no GPU
+            has been changed then.
+        ValueError: A bad argument (named in the message).
+    """
+
+    def __init__(
+        self,
+        monitor: EnergyMonitor,
+        selector: Selector | str = "cost:0.5",
+        *,
+        search: str | SearchFactory = "adaptive",
+        warmup_steps: int = 10,
+        profile_steps: int = 40,
+        step_w: float = 25.0,
+        limits_w: Sequence[float] | None = None,
+        workload: str | None = None,
+        store: ProfileStore | str | Path | None = None,
+        gpu_indices: Sequence[int] | None = None,
+        distributed: bool | str = "auto",
+        dry_run: bool = False,
+        handle_signals: bool = True,
+        guard: RestoreGuard | None = None,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+        if not step_w > 0:
+            raise ValueError(f"step_w must be > 0, got {step_w}")
+        if isinstance(search, str) and search not in ("adaptive", "sweep"):
+            raise ValueError(f"search must be 'adaptive', 'sweep' or a callable, got {search!r}")
+        if distributed not in (True, False, "auto"):
+            raise ValueError(f"distributed must be True, False or 'auto', got {distributed!r}")
+        if workload is not None and not workload.strip():
+            raise ValueError("workload must be a non-empty name (or None)")
+        self.monitor = monitor
+        if gpu_indices is None:
+            self.gpus: list[GPU] = list(monitor.gpus)
+        else:
+            by_index = {g.index: g for g in monitor.gpus}
+            missing = [i for i in gpu_indices if i not in by_index]
+            if missing:
+                raise ValueError(
+                    f"GPU(s) {missing} are not measured by the monitor (it has {sorted(by_index)})")
+            self.gpus = [by_index[i] for i in gpu_indices]
+        if not self.gpus:
+            raise ValueError("the monitor measures no GPU: there is no power limit to optimize")
+        self._selector_spec = selector
+        self._search_spec = search
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.step_w = float(step_w)
+        self._limits_arg = None if limits_w is None else [float(x) for x in limits_w]
+        if self._limits_arg is not None:
+            if not self._limits_arg:
+                raise ValueError("limits_w is empty")
+            for g in self.gpus:
+                for x in self._limits_arg:
+                    g.check_power_limit(x)
+        self.workload = workload
+        self.store = store if isinstance(store, ProfileStore) else ProfileStore(store)
+        self._distributed = distributed
+        self.dry_run = dry_run
+        if dry_run:
+            self.guard = None
+        else:
+            self.guard = guard or RestoreGuard(self.gpus, handle_signals=handle_signals)
+
+        self.state = State.READY
+        self.selector: Selector | None = None
+        self.search: Search | None = None
+        self.limits_w: list[float] = []
+        self.points: dict[float, LimitPoint] = {}
+        """Time and energy per step at each profiled limit (all GPUs of the job together)."""
+        self.chosen_limit_w: float | None = None
+        self.reused_profile = False
+        self.total_gpus = len(self.gpus)
+        self._acc: _Accumulator | None = None
+        self._window_open = False
+        self._ended = False
+        self._applied: float | None = None
+        self._dist: Any = None
+        self._model = self.gpus[0].name
+
+    # -- public state ---------------------------------------------------------------------
+    @property
+    def current_limit_w(self) -> float | None:
+        """The limit the optimizer set last (``None`` before any)."""
+        return self._applied
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready summary: state, chosen limit, and every profiled point."""
+        return {
+            "state": str(self.state),
+            "selector": repr(self.selector) if self.selector else str(self._selector_spec),
+            "chosen_limit_w": self.chosen_limit_w,
+            "reused_profile": self.reused_profile,
+            "gpus": self.total_gpus,
+            "limits_w": self.limits_w,
+            "points": [{"limit_w": p.limit_w, "time_per_step_s": p.time_s, "energy_per_step_j": p.energy_j}
+                       for p in self.points.values()],
+        }
+
+    # -- callbacks ------------------------------------------------------------------------
+    def on_train_begin(self) -> None:
+        """Start: agree on candidate limits (and a saved profile) and set the first limit.
+
+        Called again after :meth:`on_train_end` (another ``fit`` with the same optimizer),
+        it re-applies the chosen limit, or resumes profiling where it stopped.
+        """
+        if self._ended:
+            self._ended = False
+            if self.state is State.DONE and self.chosen_limit_w is not None:
+                self._apply(self.chosen_limit_w)
+            elif self._acc is not None:
+                self._acc.warm = 0
+                self._apply(self._acc.limit_w)
+                self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+            return
+        if self.state is not State.READY:
+            return
+        self._dist = _torch_dist() if self._distributed in ("auto", True) else None
+        if self._distributed is True and self._dist is None:
+            raise JoulesError("distributed=True but torch.distributed is not initialized")
+        self.total_gpus = int(self._allreduce([float(len(self.gpus))], "sum")[0])
+        self.selector = self._make_selector()
+        self.limits_w = self._candidate_limits()
+        saved = self._load_saved()
+        if saved:
+            self.points = {p.limit_w: p for p in saved}
+            self.reused_profile = True
+            self._finish()
+            return
+        self.search = self._make_search()
+        self._next_limit()
+
+    def on_epoch_begin(self) -> None:
+        """An epoch starts (optional; steps alone drive the optimizer)."""
+        if self.state is State.READY or self._ended:
+            self.on_train_begin()
+
+    def on_step_begin(self) -> None:
+        """A training step starts."""
+        if self.state is State.READY or self._ended:
+            self.on_train_begin()
+        if self.state is State.PROFILING and not self._window_open:
+            self._open()
+
+    def on_step_end(self) -> None:
+        """A training step ended."""
+        if self.state is State.READY or self._ended:
+            self.on_train_begin()
+        acc = self._acc
+        if acc is None:
+            return
+        if self.state is State.WARMUP:
+            acc.warm += 1
+            if acc.warm >= self.warmup_steps:
+                self.state = State.PROFILING
+            return
+        if self.state is State.PROFILING:
+            if not self._window_open:  # on_step_begin is not called: measure from here on
+                self._open()
+                return
+            acc.segment_steps += 1
+            if acc.steps + acc.segment_steps >= self.profile_steps:
+                self._close()
+                self._complete()
+
+    def on_epoch_end(self) -> None:
+        """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
+        acc = self._acc
+        if acc is None or self.state not in (State.WARMUP, State.PROFILING):
+            return
+        if self._window_open:
+            self._close()
+        acc.warm = 0
+        self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+
+    def on_train_end(self) -> None:
+        """Training ended: put back the limits the GPUs had before."""
+        if self._window_open:
+            self.monitor.cancel_window(self._window_name())
+            self._window_open = False
+        if self.state is not State.READY:
+            self._ended = True
+        self.restore()
+
+    def restore(self) -> None:
+        """Put back the limits the GPUs had before the optimizer changed them (idempotent)."""
+        if self.guard is not None:
+            self.guard.restore()
+        self._applied = None
+
+    def __enter__(self) -> PowerLimitOptimizer:
+        self.on_train_begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.on_train_end()
+
+    # -- internals ------------------------------------------------------------------------
+    def _window_name(self) -> str:
+        return f"{_WINDOW}.{id(self)}"
+
+    def _open(self) -> None:
+        self.monitor.begin_window(self._window_name())
+        self._window_open = True
+        assert self._acc is not None
+        self._acc.segment_steps = 0
+
+    def _close(self) -> None:
+        m = self.monitor.end_window(self._window_name())
+        self._window_open = False
+        acc = self._acc
+        assert acc is not None
+        if acc.segment_steps == 0:
+            return
+        energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self.gpus)
+        acc.steps += acc.segment_steps
+        acc.time_s += m.elapsed_s
+        acc.energy_j += energy
+        acc.segments += 1
+        acc.history.append((acc.segment_steps, m.elapsed_s, energy))
+
+    def _complete(self) -> None:
+        acc = self._acc
+        assert acc is not None and self.search is not None
+        time_s, energy_j = acc.time_s / acc.steps, acc.energy_j / acc.steps
+        time_s = self._allreduce([time_s], "max")[0]
+        energy_j = self._allreduce([energy_j], "sum")[0]
+        point = LimitPoint(acc.limit_w, time_s, energy_j)
+        self.points[point.limit_w] = point
+        self.search.record(point)
+        log.info("power limit %g W: %.4g s and %.4g J per step (%d steps in %d segment(s))",
+                 acc.limit_w, time_s, energy_j, acc.steps, acc.segments)
+        self._next_limit()
+
+    def _next_limit(self) -> None:
+        assert self.search is not None
+        limit = self.search.next_limit()
+        if limit is None:
+            self._finish()
+            return
+        self._acc = _Accumulator(limit)
+        self._apply(limit)
+        self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+
+    def _finish(self) -> None:
+        assert self.selector is not None
+        chosen = self.selector.choose(list(self.points.values())).limit_w
+        self.chosen_limit_w = chosen
+        self._acc = None
+        self.state = State.DONE
+        self._apply(chosen)
+        log.info("chose %g W (%s) after profiling %s W", chosen, self.selector,
+                 ", ".join(f"{x:g}" for x in self.points))
+        if not self.reused_profile:
+            self._save()
+
+    def _apply(self, limit: float) -> None:
+        if self.dry_run:
+            log.info("dry run: would set the power limit to %g W", limit)
+            self._applied = limit
+            return
+        assert self.guard is not None
+        if self._applied is None:
+            self._check_permission()
+        for g in self.gpus:
+            self.guard.set_power_limit_w(g, limit)
+        self._applied = limit
+
+    def _check_permission(self) -> None:
+        """Set each GPU's current limit again: harmless, and it fails exactly when a change would."""
+        for g in self.gpus:
+            try:
+                g.set_power_limit_w(g.power_limit_w())
+            except DevicePermissionError as e:
+                raise DevicePermissionError(
+                    f"cannot change the power limit of GPU {g.index} ({g.name}): {e}. {_PERMISSION_FIX}. "
+                    "No GPU was changed."
+                ) from None
+
+    def _make_selector(self) -> Selector:
+        spec = self._selector_spec
+        if isinstance(spec, Selector):
+            return spec
+        if isinstance(spec, str):
+            return parse_selector(spec, self.total_gpus)
+        raise ValueError(f"selector must be a Selector or a string, got {type(spec).__name__}")
+
+    def _make_search(self) -> Search:
+        assert self.selector is not None
+        spec = self._search_spec
+        if spec == "sweep":
+            return Sweep(self.limits_w, self.selector)
+        if spec == "adaptive":
+            return Adaptive(self.limits_w, self.selector, gpus=self.total_gpus)
+        assert callable(spec)
+        return spec(self.limits_w, self.selector)
+
+    def _candidate_limits(self) -> list[float]:
+        if self._limits_arg is not None:
+            return sorted(set(self._limits_arg), reverse=True)
+        lo = max(g.power_limit_range_w()[0] for g in self.gpus)
+        hi = min(g.power_limit_range_w()[1] for g in self.gpus)
+        neg_hi, lo = self._allreduce([-hi, lo], "max")
+        hi = -neg_hi
+        if lo > hi:
+            raise JoulesError(f"the GPUs share no allowed power limit (ranges meet at [{lo:g}, {hi:g}] W)")
+        n = int(math.floor((hi - lo) / self.step_w + 1e-9))
+        return [hi - k * self.step_w for k in range(n + 1)]
+
+    def _load_saved(self) -> list[LimitPoint] | None:
+        points: list[LimitPoint] | None = None
+        if self.workload is not None and self._rank() == 0:
+            saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+            allowed = set(self.limits_w)
+            points = [p for p in saved if p.limit_w in allowed] or None
+            if saved and not points:
+                log.warning("saved profile for %r has none of the allowed limits; profiling again",
+                            self.workload)
+            if points:
+                log.info("reusing the saved profile for %r (%d limits)", self.workload, len(points))
+        if self._dist is not None:
+            box = [points]
+            self._dist.broadcast_object_list(box, src=0)
+            points = box[0]
+        return points
+
+    def _save(self) -> None:
+        if self.workload is None or self._rank() != 0 or self.dry_run:
+            return
+        try:
+            path = self.store.save(self._model, self.total_gpus, self.workload, list(self.points.values()),
+                                   warmup_steps=self.warmup_steps, profile_steps=self.profile_steps,
+                                   selector=repr(self.selector))
+            log.info("saved the profile to %s", path)
+        except OSError as e:  # never fail training over a cache
+            log.warning("could not save the power-limit profile: %s", e)
+
+    def _rank(self) -> int:
+        return self._dist.get_rank() if self._dist is not None else 0
+
+    def _allreduce(self, values: list[float], op: str) -> list[float]:
+        dist = self._dist
+        if dist is None:
+            return values
+        import torch
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return [float(x) for x in t.tolist()]

@@ -1,0 +1,557 @@
+"""RestoreGuard and recover: a job never leaves a GPU at a lowered power limit or locked clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+import joules.devices.restore as restore_mod
+from joules.devices.restore import (
+    Change,
+    RestoreGuard,
+    default_journal_dir,
+    process_alive,
+    process_start_time,
+    recover,
+    recover_report,
+)
+from joules.devices.sim import SimGPU, Simulator
+from joules.errors import DevicePermissionError
+
+JOULES = str(Path(sys.executable).parent / "joules")
+
+
+def journals(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.json")) if directory.is_dir() else []
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    return p.pid
+
+
+def write_journal(directory: Path, pid: int, gpus: list[dict[str, object]], host: str | None = None,
+                  start: int | None = None, name: str = "job.json") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(json.dumps({"format": 1, "host": host or socket.gethostname(), "pid": pid,
+                                "process_start_time": start, "gpus": gpus}))
+    return path
+
+
+def entry(gpu: SimGPU, limit: float | None, locked: bool = False) -> dict[str, object]:
+    return {"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "power_limit_w": limit,
+            "sm_clock_locked": locked}
+
+
+@pytest.fixture
+def sim() -> Simulator:
+    return Simulator("A100x2")
+
+
+@pytest.fixture
+def jdir(tmp_path: Path) -> Path:
+    return tmp_path / "restore"
+
+
+@pytest.fixture
+def sigterm_recorder() -> Iterator[list[int]]:
+    """A Python SIGTERM handler that records calls; the original handler is put back after."""
+    calls: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield calls
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# -- in-process -------------------------------------------------------------------------------
+def test_restores_the_limit_the_gpu_had_not_its_default_or_max(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    assert g.default_power_limit_w() == 400.0 and g.power_limit_range_w() == (100.0, 400.0)
+    g.set_power_limit_w(250.0)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g, 200.0)
+    guard.set_power_limit_w(g, 150.0)  # later changes keep the first original
+    assert g.power_limit_w() == 150.0
+    assert guard.changed == [Change(g.uuid, 0, g.name, 250.0, False)]
+    [path] = journals(jdir)
+    assert guard.journal_path == path
+    data = json.loads(path.read_text())
+    assert data["pid"] == os.getpid() and data["host"] == socket.gethostname()
+    assert data["gpus"] == [entry(g, 250.0)]
+    assert data["process_start_time"] == process_start_time(os.getpid())
+    assert guard.restore() == []
+    assert g.power_limit_w() == 250.0
+    assert sim.gpus[1].power_limit_w() == 400.0  # never touched
+    assert guard.changed == [] and journals(jdir) == [] and guard.journal_path is None
+
+
+def test_journal_is_written_before_the_device_changes(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    seen: list[tuple[float, list[object]]] = []
+    g.on_change = lambda gpu: seen.append((
+        gpu.power_limit_w(),
+        [json.loads(p.read_text())["gpus"][0]["power_limit_w"] for p in journals(jdir)],
+    ))
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g, 180.0)
+    assert seen == [(180.0, [400.0])]
+    guard.restore()
+
+
+def test_locked_clocks_are_reset(sim: Simulator, jdir: Path) -> None:
+    g0, g1 = sim.gpus
+    with RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False) as guard:
+        guard.lock_sm_clock(g1, 210.0, 1005.0)
+        guard.set_power_limit_w(g0, 300.0)
+        assert g1.sm_clock_locked() == (210.0, 1005.0)
+        assert guard.changed == [
+            Change(g1.uuid, 1, g1.name, None, True), Change(g0.uuid, 0, g0.name, 400.0, False)]
+        [path] = journals(jdir)
+        assert json.loads(path.read_text())["gpus"] == [entry(g1, None, True), entry(g0, 400.0)]
+    assert g1.sm_clock_locked() is None and g1.power_limit_w() == 400.0
+    assert g0.power_limit_w() == 400.0
+    assert journals(jdir) == []
+
+
+def test_restore_is_idempotent_and_the_guard_reusable(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(320.0)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g, 200.0)
+    assert guard.restore() == [] and g.power_limit_w() == 320.0
+    g.set_power_limit_w(310.0)  # someone else's change after the restore is not undone
+    assert guard.restore() == [] and g.power_limit_w() == 310.0
+    guard.set_power_limit_w(g, 120.0)  # a new change remembers the new original
+    assert guard.changed[0].original_power_limit_w == 310.0
+    guard.restore()
+    assert g.power_limit_w() == 310.0 and journals(jdir) == []
+
+
+def test_permission_error_changes_nothing_and_leaves_no_journal(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(250.0)
+    g.allow_control = False
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+    with pytest.raises(DevicePermissionError):
+        guard.set_power_limit_w(g, 200.0)
+    with pytest.raises(DevicePermissionError):
+        guard.lock_sm_clock(g, 210.0, 900.0)
+    assert g.power_limit_w() == 250.0 and g.sm_clock_locked() is None
+    assert guard.changed == [] and journals(jdir) == [] and guard.journal_path is None
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    with pytest.raises(ValueError, match="outside the allowed range"):
+        guard.set_power_limit_w(sim.gpus[1], 50.0)
+    assert guard.changed == [] and journals(jdir) == []
+
+
+def test_permission_error_on_a_second_gpu_keeps_the_first(sim: Simulator, jdir: Path) -> None:
+    g0, g1 = sim.gpus
+    g1.allow_control = False
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g0, 200.0)
+    with pytest.raises(DevicePermissionError):
+        guard.set_power_limit_w(g1, 200.0)
+    [path] = journals(jdir)
+    assert json.loads(path.read_text())["gpus"] == [entry(g0, 400.0)]
+    guard.restore()
+    assert g0.power_limit_w() == 400.0 and journals(jdir) == []
+
+
+def test_one_gpu_failing_to_restore_does_not_stop_the_others(
+    sim: Simulator, jdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    g0, g1 = sim.gpus
+    g0.set_power_limit_w(300.0)
+    g1.set_power_limit_w(275.0)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g0, 150.0)
+    guard.set_power_limit_w(g1, 125.0)
+    guard.lock_sm_clock(g1, 210.0, 900.0)
+    g0.allow_control = False  # e.g. the driver refuses now
+    errors = guard.restore()
+    assert len(errors) == 1 and errors[0].startswith("GPU 0") and "300 W" in errors[0]
+    assert "GPU 0" in caplog.text
+    assert g1.power_limit_w() == 275.0 and g1.sm_clock_locked() is None
+    assert g0.power_limit_w() == 150.0
+    # What failed stays in the journal, for `joules restore` after this process is gone.
+    [path] = journals(jdir)
+    assert json.loads(path.read_text())["gpus"] == [entry(g0, 300.0)]
+    g0.allow_control = True
+    assert guard.restore() == []
+    assert g0.power_limit_w() == 300.0 and journals(jdir) == []
+
+
+def test_sigterm_restores_then_chains_to_previous_python_handler(
+    sim: Simulator, jdir: Path, sigterm_recorder: list[int]
+) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(250.0)
+    ours = signal.getsignal(signal.SIGTERM)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+    assert signal.getsignal(signal.SIGTERM) is ours  # nothing is installed before a change
+    guard.set_power_limit_w(g, 200.0)
+    assert signal.getsignal(signal.SIGTERM) == guard._handle_signal
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert g.power_limit_w() == 250.0 and journals(jdir) == []
+    assert signal.getsignal(signal.SIGTERM) is ours  # put back
+
+
+def test_sigint_with_default_handler_raises_keyboard_interrupt_after_restoring(
+    sim: Simulator, jdir: Path
+) -> None:
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        g = sim.gpus[1]
+        guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+        guard.set_power_limit_w(g, 180.0)
+        guard.lock_sm_clock(g, 210.0, 900.0)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert g.power_limit_w() == 400.0 and g.sm_clock_locked() is None
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_sig_ign_is_respected(sim: Simulator, jdir: Path) -> None:
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+        guard.set_power_limit_w(sim.gpus[0], 180.0)
+        signal.raise_signal(signal.SIGTERM)  # restores, and the process goes on
+        assert sim.gpus[0].power_limit_w() == 400.0
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_several_guards_chain(sim: Simulator, jdir: Path, sigterm_recorder: list[int]) -> None:
+    g0, g1 = sim.gpus
+    a = RestoreGuard([g0], journal_dir=jdir)
+    b = RestoreGuard([g1], journal_dir=jdir)
+    a.set_power_limit_w(g0, 200.0)
+    b.set_power_limit_w(g1, 210.0)
+    assert len(journals(jdir)) == 2
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert (g0.power_limit_w(), g1.power_limit_w()) == (400.0, 400.0)
+    assert journals(jdir) == []
+    assert signal.getsignal(signal.SIGTERM) not in (a._handle_signal, b._handle_signal)
+
+
+def test_guard_restored_first_stays_a_link_in_the_chain(
+    sim: Simulator, jdir: Path, sigterm_recorder: list[int]
+) -> None:
+    g0, g1 = sim.gpus
+    a = RestoreGuard([g0], journal_dir=jdir)
+    b = RestoreGuard([g1], journal_dir=jdir)
+    a.set_power_limit_w(g0, 200.0)
+    b.set_power_limit_w(g1, 210.0)
+    a.restore()  # b's handler is on top and chains to a's: a's stays, passing signals on
+    assert g0.power_limit_w() == 400.0
+    a.set_power_limit_w(g0, 220.0)  # a is still reachable through b: no second install
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert (g0.power_limit_w(), g1.power_limit_w()) == (400.0, 400.0)
+    signal.raise_signal(signal.SIGTERM)  # everything is back to the recorder alone
+    assert sigterm_recorder == [signal.SIGTERM] * 2
+
+
+class _InterruptedGPU(SimGPU):
+    """A GPU whose limit change is interrupted by SIGTERM half-way."""
+
+    def set_power_limit_w(self, watts: float) -> None:
+        if watts < 400.0:
+            signal.raise_signal(signal.SIGTERM)
+        super().set_power_limit_w(watts)
+
+
+def test_signal_during_a_change_is_handled_after_it(jdir: Path, sigterm_recorder: list[int]) -> None:
+    sim = Simulator("A100")
+    g = _InterruptedGPU(sim.gpus[0].model, sim.clock)
+    guard = RestoreGuard([g], journal_dir=jdir)
+    guard.set_power_limit_w(g, 200.0)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert g.power_limit_w() == 400.0 and guard.changed == [] and journals(jdir) == []
+
+
+def test_no_signal_handlers_outside_the_main_thread(sim: Simulator, jdir: Path) -> None:
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+    t = threading.Thread(target=guard.set_power_limit_w, args=(sim.gpus[0], 200.0))
+    t.start()
+    t.join()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert sim.gpus[0].power_limit_w() == 200.0 and len(journals(jdir)) == 1
+    guard.restore()
+    assert sim.gpus[0].power_limit_w() == 400.0
+
+
+def test_default_journal_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path / "s"))
+    assert default_journal_dir() == tmp_path / "s" / "restore"
+    monkeypatch.delenv("JOULES_STATE_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "x"))
+    assert default_journal_dir() == tmp_path / "x" / "joules" / "restore"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert default_journal_dir() == tmp_path / "h" / ".local" / "state" / "joules" / "restore"
+
+
+def test_process_alive() -> None:
+    me = os.getpid()
+    assert process_alive(me) and process_alive(me, process_start_time(me))
+    assert not process_alive(dead_pid())
+    assert not process_alive(0) and not process_alive(-1)
+    start = process_start_time(me)
+    if start is not None:  # Linux: a reused pid is told apart by its start time
+        assert not process_alive(me, start + 1)
+
+
+# -- recover ----------------------------------------------------------------------------------
+def test_recover_restores_what_a_dead_process_left(sim: Simulator, jdir: Path) -> None:
+    g0, g1 = sim.gpus
+    g0.set_power_limit_w(150.0)
+    g1.set_power_limit_w(125.0)
+    g1.lock_sm_clock(210.0, 900.0)
+    write_journal(jdir, dead_pid(), [entry(g0, 300.0), entry(g1, 275.0, True)])
+    lines = recover(sim.gpus, jdir)
+    assert len(lines) == 2
+    assert "power limit 150 W -> 300 W" in lines[0]
+    assert "SM clock unlocked" in lines[1] and "125 W -> 275 W" in lines[1]
+    assert (g0.power_limit_w(), g1.power_limit_w(), g1.sm_clock_locked()) == (300.0, 275.0, None)
+    assert journals(jdir) == []
+    assert recover(sim.gpus, jdir) == []
+
+
+def test_recover_leaves_live_and_other_host_journals_alone(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(150.0)
+    me = os.getpid()
+    write_journal(jdir, me, [entry(g, 300.0)], start=process_start_time(me), name="live.json")
+    write_journal(jdir, dead_pid(), [entry(g, 300.0)], host="some-other-host", name="other.json")
+    report = recover_report(sim.gpus, jdir)
+    assert sorted(x.kind for x in report) == ["live", "other-host"]
+    assert all(x.ok for x in report)
+    assert g.power_limit_w() == 150.0 and len(journals(jdir)) == 2
+
+
+def test_recover_treats_a_reused_pid_as_dead(sim: Simulator, jdir: Path) -> None:
+    start = process_start_time(os.getpid())
+    if start is None:
+        pytest.skip("no /proc here")
+    g = sim.gpus[0]
+    g.set_power_limit_w(150.0)
+    write_journal(jdir, os.getpid(), [entry(g, 300.0)], start=start - 1)
+    assert [x.kind for x in recover_report(sim.gpus, jdir)] == ["restored"]
+    assert g.power_limit_w() == 300.0
+
+
+def test_recover_keeps_gpus_not_present(sim: Simulator, jdir: Path) -> None:
+    g0, g1 = sim.gpus
+    g1.set_power_limit_w(125.0)
+    elsewhere = {"uuid": "GPU-not-here", "index": 7, "name": "NVIDIA H100", "power_limit_w": 700.0,
+                 "sm_clock_locked": False}
+    path = write_journal(jdir, dead_pid(), [elsewhere, entry(g1, 275.0)])
+    report = recover_report([g1], jdir)
+    assert [x.kind for x in report] == ["kept", "restored"]
+    assert "GPU-not-here" in report[0].message
+    assert g1.power_limit_w() == 275.0
+    assert json.loads(path.read_text())["gpus"] == [elsewhere]  # only what is left to do
+    assert [x.kind for x in recover_report(sim.gpus, jdir)] == ["kept"]
+
+
+def test_recover_reports_and_keeps_corrupt_journals(sim: Simulator, jdir: Path) -> None:
+    jdir.mkdir()
+    (jdir / "broken.json").write_text("{not json")
+    write_journal(jdir, 0, [entry(sim.gpus[0], 300.0)], name="bad-pid.json")
+    report = recover_report(sim.gpus, jdir)
+    assert [x.kind for x in report] == ["corrupt", "corrupt"]
+    assert not any(x.ok for x in report)
+    assert len(journals(jdir)) == 2
+
+
+def test_recover_failure_is_reported_and_kept(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(150.0)
+    g.allow_control = False
+    path = write_journal(jdir, dead_pid(), [entry(g, 300.0)])
+    [line] = recover_report(sim.gpus, jdir)
+    assert line.kind == "failed" and not line.ok and "no permission" in line.message
+    assert path.exists() and g.power_limit_w() == 150.0
+
+
+def test_new_guard_heals_what_a_killed_job_left(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(150.0)
+    write_journal(jdir, dead_pid(), [entry(g, 300.0)])
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    assert len(guard.recovered) == 1 and "150 W -> 300 W" in guard.recovered[0]
+    assert g.power_limit_w() == 300.0 and journals(jdir) == []
+    guard.set_power_limit_w(g, 200.0)
+    assert guard.changed[0].original_power_limit_w == 300.0
+    guard.restore()
+    untouched = RestoreGuard(sim.gpus, journal_dir=jdir, recover_stale=False)
+    assert untouched.recovered == []
+
+
+def test_journal_write_failure_does_not_stop_the_change(
+    sim: Simulator, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    guard = RestoreGuard(sim.gpus, journal_dir=blocker / "restore", handle_signals=False)
+    guard.set_power_limit_w(sim.gpus[0], 200.0)
+    assert "cannot write the restore journal" in caplog.text
+    guard.restore()
+    assert sim.gpus[0].power_limit_w() == 400.0
+
+
+# -- real processes ---------------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import sys, time
+    from joules.devices.discovery import discover
+    from joules.devices.restore import RestoreGuard
+
+    gpus = discover().gpus
+    guard = RestoreGuard(gpus)
+    guard.set_power_limit_w(gpus[0], 150)
+    guard.set_power_limit_w(gpus[1], 125)
+    guard.lock_sm_clock(gpus[1], 210, 900)
+    print("ready", flush=True)
+    mode = sys.argv[1]
+    if mode == "exit":
+        sys.exit(0)
+    if mode == "raise":
+        raise RuntimeError("training crashed")
+    time.sleep(60)
+""")
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A state file with GPU limits 300 W and 275 W, and the environment that shares it."""
+    state = tmp_path / "state.json"
+    pre = Simulator("A100x2", state_file=state)
+    pre.gpus[0].set_power_limit_w(300.0)
+    pre.gpus[1].set_power_limit_w(275.0)
+    env = dict(os.environ, JOULES_SIM="A100x2", JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path))
+    return state, env
+
+
+def recorded(state: Path) -> tuple[float, float, list[float] | None]:
+    gpus = json.loads(state.read_text())["gpus"]
+    return gpus["0"]["power_limit_w"], gpus["1"]["power_limit_w"], gpus["1"]["sm_clock_lock_mhz"]
+
+
+def start_child(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, mode], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], 30)
+    if not ready:
+        p.kill()
+        pytest.fail(f"child did not start: {p.communicate(timeout=10)}")
+    line = p.stdout.readline()
+    if line != "ready\n":
+        p.kill()
+        out, err = p.communicate(timeout=10)
+        pytest.fail(f"child failed: {line}{out}{err}")
+    return p
+
+
+@pytest.mark.parametrize("mode", ["exit", "raise"])
+def test_child_that_ends_restores(mode: str, shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    state, env = shared
+    p = start_child(mode, env)
+    _, err = p.communicate(timeout=30)
+    if mode == "exit":
+        assert p.returncode == 0, err
+    else:
+        assert p.returncode == 1 and "RuntimeError: training crashed" in err
+    assert recorded(state) == (300.0, 275.0, None)
+    assert journals(tmp_path / "restore") == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_child_interrupted_restores(signum: int, shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    state, env = shared
+    p = start_child("wait", env)
+    try:
+        assert recorded(state) == (150.0, 125.0, [210.0, 900.0])
+        [path] = journals(tmp_path / "restore")
+        # The child runs: its journal is not touched by a recovery elsewhere.
+        assert [x.kind for x in recover_report(Simulator("A100x2", state_file=state).gpus,
+                                               tmp_path / "restore")] == ["live"]
+        assert recorded(state) == (150.0, 125.0, [210.0, 900.0]) and path.exists()
+        p.send_signal(signum)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == -signum, err  # still "killed by the signal" for whoever waits on it
+    if signum == signal.SIGINT:
+        assert "KeyboardInterrupt" in err
+    assert recorded(state) == (300.0, 275.0, None)
+    assert journals(tmp_path / "restore") == []
+
+
+@pytest.mark.parametrize("how", ["recover", "cli"])
+def test_child_sigkilled_is_recovered_from_its_journal(
+    how: str, shared: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    state, env = shared
+    p = start_child("wait", env)
+    p.kill()
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    assert recorded(state) == (150.0, 125.0, [210.0, 900.0])  # SIGKILL cannot be caught
+    [path] = journals(tmp_path / "restore")
+    data = json.loads(path.read_text())
+    assert data["pid"] == p.pid
+    assert [(g["index"], g["power_limit_w"], g["sm_clock_locked"]) for g in data["gpus"]] == [
+        (0, 300.0, False), (1, 275.0, True)]
+    if how == "recover":
+        lines = recover(Simulator("A100x2", state_file=state).gpus, tmp_path / "restore")
+        assert len(lines) == 2 and "150 W -> 300 W" in lines[0] and "125 W -> 275 W" in lines[1]
+    else:
+        r = subprocess.run([JOULES, "restore", "--sim", "A100x2"], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "150 W -> 300 W" in r.stdout and "125 W -> 275 W" in r.stdout
+    assert recorded(state) == (300.0, 275.0, None)
+    assert journals(tmp_path / "restore") == []
+
+
+def test_journal_records_pid_and_start_time_of_the_writer(jdir: Path) -> None:
+    sim = Simulator("A100")
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(sim.gpus[0], 200.0)
+    [path] = journals(jdir)
+    assert path.name == f"{socket.gethostname()}-{os.getpid()}-{guard._id}.json"
+    assert restore_mod.process_alive(os.getpid(), json.loads(path.read_text())["process_start_time"])
+    guard.restore()

@@ -1,0 +1,66 @@
+"""Simulated GPU settings that outlive a process (JOULES_SIM_STATE)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from joules.devices.discovery import discover
+from joules.devices.sim import Simulator
+
+
+def test_settings_are_kept_in_the_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "sub" / "state.json"
+    first = Simulator("A100x2", state_file=state)
+    assert not state.exists()  # nothing is written before a change
+    first.gpus[0].set_power_limit_w(250.0)
+    first.gpus[1].lock_sm_clock(210.0, 1005.0)
+    data = json.loads(state.read_text())["gpus"]
+    assert data["0"] == {"uuid": first.gpus[0].uuid, "name": "NVIDIA A100-SXM4-40GB",
+                         "power_limit_w": 250.0, "sm_clock_lock_mhz": None}
+    assert data["1"]["power_limit_w"] == 400.0 and data["1"]["sm_clock_lock_mhz"] == [210.0, 1005.0]
+
+    second = Simulator("A100x2", state_file=state)
+    assert second.gpus[0].power_limit_w() == 250.0
+    assert second.gpus[1].sm_clock_locked() == (210.0, 1005.0)
+    assert second.gpus[1].relative_speed(0.0) == 1005.0 / 1410.0  # the lock caps the clock
+    second.gpus[1].reset_sm_clock()
+    assert Simulator("A100x2", state_file=state).gpus[1].sm_clock_locked() is None
+    assert Simulator("A100x2").gpus[0].power_limit_w() == 400.0  # without the file: defaults
+
+
+def test_writers_merge_their_gpus(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    a = Simulator("A100x2", state_file=state)
+    b = Simulator("A100x2", state_file=state)  # another process, created at the same time
+    a.gpus[0].set_power_limit_w(300.0)
+    b.gpus[1].set_power_limit_w(275.0)
+    c = Simulator("A100x2", state_file=state)
+    assert [g.power_limit_w() for g in c.gpus] == [300.0, 275.0]
+
+
+def test_other_models_and_bad_files_are_ignored(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    Simulator("A100", state_file=state).gpus[0].set_power_limit_w(150.0)
+    assert Simulator("H100", state_file=state).gpus[0].power_limit_w() == 700.0  # another uuid
+    state.write_text("{broken")
+    sim = Simulator("A100", state_file=state)
+    assert sim.gpus[0].power_limit_w() == 400.0
+    sim.gpus[0].set_power_limit_w(200.0)  # replaces the broken file
+    assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 200.0
+
+
+def test_discover_passes_joules_sim_state(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    Simulator("A100x2", state_file=state).gpus[1].set_power_limit_w(220.0)
+    devices = discover(sim="A100x2", env={"JOULES_SIM_STATE": str(state)}, refresh=True)
+    assert [g.power_limit_w() for g in devices.gpus] == [400.0, 220.0]
+    code = ("from joules.devices.discovery import discover; g = discover().gpus[1]; "
+            "print(g.power_limit_w()); g.set_power_limit_w(180)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"JOULES_SIM": "A100x2", "JOULES_SIM_STATE": str(state), "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "220.0\n"
+    assert json.loads(state.read_text())["gpus"]["1"]["power_limit_w"] == 180.0

@@ -1,0 +1,199 @@
+"""PowerLimitCallback with the real ``transformers.Trainer`` on simulated GPUs (virtual clock).
+
+The model trains for real on the CPU; a helper callback placed before the joules one
+advances the simulated GPUs' clock by one training step's work at each ``on_step_end``, and
+by evaluation work at each evaluation batch, so the optimizer measures simulated GPU time
+and energy exactly as it would on real GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from joules.devices.sim import Constant, Simulator  # noqa: E402
+from joules.integrations.huggingface import PowerLimitCallback  # noqa: E402
+from joules.monitoring.monitor import EnergyMonitor  # noqa: E402
+from joules.optimizers.power_limit import LimitPoint  # noqa: E402
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer, State  # noqa: E402
+
+WORK_S, CF = 0.2, 0.8  # one training step on the simulated GPU
+EVAL_WORK_S = 0.5  # one evaluation batch: must not be counted as training
+PRESET_W = 300.0  # what the GPU had before training: comes back at the end
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path / "state"))
+
+
+def truth(limit: float) -> LimitPoint:
+    """Exact time and energy of one training step at ``limit`` on a simulated A100."""
+    sim = Simulator("A100")
+    sim.set_workload(Constant(1.0), cpus=False)
+    sim.gpus[0].set_power_limit_w(limit)
+    e0 = sim.gpus[0].true_energy_j()
+    t = sim.run(WORK_S, CF)
+    return LimitPoint(limit, t, sim.gpus[0].true_energy_j() - e0)
+
+
+class MLP(torch.nn.Module):
+    """A 2-layer regression MLP in the Trainer's calling convention; fails after ``fail_after`` steps."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.fail_after = fail_after
+        self.train_calls = 0
+
+    def forward(self, x, labels=None):
+        if self.training:
+            self.train_calls += 1
+            if self.fail_after is not None and self.train_calls > self.fail_after:
+                raise RuntimeError("boom: simulated crash in forward")
+        out = self.net(x).squeeze(-1)
+        loss = torch.nn.functional.mse_loss(out, labels) if labels is not None else None
+        return {"loss": loss, "logits": out}
+
+
+class RandomData(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(dim=1) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class SimWork(transformers.TrainerCallback):
+    """Runs each step's (and each evaluation batch's) work on the simulated GPUs; records limits.
+
+    Must come before the joules callback, so that the work lies between its step begin and end.
+    """
+
+    def __init__(self, sim: Simulator, opt: PowerLimitOptimizer) -> None:
+        self.sim, self.opt = sim, opt
+        self.seen: list[tuple[State, float]] = []  # (optimizer state, GPU limit) at each step
+        self.eval_batches = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append((self.opt.state, self.sim.gpus[0].power_limit_w()))
+        self.sim.run(WORK_S, CF)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.eval_batches += 1
+        self.sim.run(EVAL_WORK_S, CF)
+
+
+def setup(tmp_path: Path, model: MLP, epochs: int = 20, state_file: str | None = None, **opt_kw):
+    sim = Simulator("A100", state_file=state_file)
+    sim.set_workload(Constant(1.0), cpus=False)
+    sim.gpus[0].set_power_limit_w(PRESET_W)
+    opt_kw.setdefault("selector", "energy")
+    opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), warmup_steps=2, profile_steps=5,
+                              handle_signals=False, **opt_kw)
+    work = SimWork(sim, opt)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, num_train_epochs=epochs, per_device_train_batch_size=16,
+        per_device_eval_batch_size=16, eval_strategy="steps", eval_steps=7, learning_rate=1e-2,
+        remove_unused_columns=False, dataloader_num_workers=0, seed=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomData(176),
+                                   eval_dataset=RandomData(32, seed=1),
+                                   callbacks=[work, PowerLimitCallback(opt)])  # work first
+    return sim, opt, work, trainer
+
+
+def test_trainer_profiles_picks_a_limit_runs_at_it_and_restores(tmp_path):
+    sim, opt, work, trainer = setup(tmp_path, MLP())
+    trainer.train()
+
+    assert opt.state is State.DONE
+    lo, hi = sim.gpus[0].power_limit_range_w()
+    assert lo < opt.chosen_limit_w < hi
+    assert len(opt.points) >= 3
+    # 11 steps per epoch, evaluation every 7 steps: profiles span epoch ends and evaluations,
+    # and neither the pauses nor the evaluation work (0.5 s per batch) leak into the points.
+    assert work.eval_batches > 0
+    for limit, p in opt.points.items():
+        t = truth(limit)
+        assert p.time_s == pytest.approx(t.time_s, rel=1e-2)
+        assert p.energy_j == pytest.approx(t.energy_j, rel=3e-2)
+    # The best limit in hindsight among those profiled (the simulated A100's optimum is near 225 W).
+    assert opt.chosen_limit_w == min(opt.points, key=lambda x: truth(x).energy_j)
+    assert 175.0 <= opt.chosen_limit_w <= 275.0
+    # Every step after the choice ran at the chosen limit; there were many of them.
+    done = [limit for state, limit in work.seen if state is State.DONE]
+    assert len(done) >= 20 and set(done) == {opt.chosen_limit_w}
+    assert len(work.seen) == trainer.state.global_step == 220
+    # Training ended: the GPU is back at the limit it had before.
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+    assert opt.guard.changed == []
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    sim, opt, work, trainer = setup(tmp_path, MLP(), epochs=2)
+    trainer.args.gradient_accumulation_steps = 2
+    trainer.train()
+    # One joules step per optimizer step (2 micro-batches): 11 batches -> 6 steps per epoch.
+    assert len(work.seen) == trainer.state.global_step == 12
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
+def test_exception_in_training_restores_the_limit_with_the_optimizer_as_context(tmp_path):
+    sim, opt, work, trainer = setup(tmp_path, MLP(fail_after=15))
+    with pytest.raises(RuntimeError, match="boom"):
+        with opt:  # what the docs recommend: the Trainer calls no callback when train() raises
+            trainer.train()
+    assert len(work.seen) == 15
+    assert any(limit != PRESET_W for _, limit in work.seen)  # it had been changed
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+    assert opt.guard.changed == []
+
+
+CRASHING_JOB = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, sys.argv[1])
+    import test_huggingface as t
+
+    # The state file makes the simulated GPU's limit outlive this process, like a real GPU's.
+    sim, opt, work, trainer = t.setup(Path(sys.argv[2]), t.MLP(fail_after=12), state_file=sys.argv[3])
+    try:
+        trainer.train()  # raises; no `with optimizer:` here
+    finally:
+        print("limits during training:", sorted({limit for _, limit in work.seen}))
+""")
+
+
+def test_uncaught_exception_without_context_restores_at_interpreter_exit(tmp_path):
+    """Without ``with optimizer:``, the restore guard's atexit hook puts the limit back."""
+    from joules.devices.sim.state import SimStateFile
+
+    state_file = tmp_path / "gpus.json"
+    env_dir = tmp_path / "state"
+    r = subprocess.run(
+        [sys.executable, "-c", CRASHING_JOB, str(Path(__file__).parent), str(tmp_path), str(state_file)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JOULES_STATE_DIR": str(env_dir)},
+    )
+    assert r.returncode == 1 and "boom" in r.stderr, r.stderr[-3000:]
+    seen = r.stdout.split("limits during training:")[1]
+    assert "400.0" in seen  # the limit had been changed when the job crashed
+    assert SimStateFile(state_file).load()["0"]["power_limit_w"] == PRESET_W

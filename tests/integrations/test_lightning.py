@@ -1,0 +1,174 @@
+"""PowerLimitCallback with the real ``lightning.Trainer`` on simulated GPUs (virtual clock).
+
+The model trains for real on the CPU; a helper callback placed before the joules one
+advances the simulated GPUs' clock by one training step's work at each training batch end,
+and by evaluation work at each validation batch (sanity check included), so the optimizer
+measures simulated GPU time and energy exactly as it would on real GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    pl = pytest.importorskip("pytorch_lightning")
+
+from joules.devices.sim import Constant, Simulator  # noqa: E402
+from joules.integrations.lightning import PowerLimitCallback  # noqa: E402
+from joules.monitoring.monitor import EnergyMonitor  # noqa: E402
+from joules.optimizers.power_limit import LimitPoint  # noqa: E402
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer, State  # noqa: E402
+
+WORK_S, CF = 0.2, 0.8  # one training step on the simulated GPU
+EVAL_WORK_S = 0.5  # one validation batch: must not be counted as training
+PRESET_W = 300.0  # what the GPU had before training: comes back at the end
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
+)
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path / "state"))
+
+
+def truth(limit: float) -> LimitPoint:
+    """Exact time and energy of one training step at ``limit`` on a simulated A100."""
+    sim = Simulator("A100")
+    sim.set_workload(Constant(1.0), cpus=False)
+    sim.gpus[0].set_power_limit_w(limit)
+    e0 = sim.gpus[0].true_energy_j()
+    t = sim.run(WORK_S, CF)
+    return LimitPoint(limit, t, sim.gpus[0].true_energy_j() - e0)
+
+
+class MLP(pl.LightningModule):
+    """A 2-layer regression MLP; ``training_step`` fails after ``fail_after`` batches."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.fail_after = fail_after
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        if self.fail_after is not None and self.batches > self.fail_after:
+            raise RuntimeError("boom: simulated crash in training_step")
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def loader(n: int, seed: int = 0) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(dim=1) + 0.1 * torch.randn(n, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+class SimWork(pl.Callback):
+    """Runs each batch's work on the simulated GPUs and records the limits it ran at.
+
+    Must come before the joules callback, so that the work lies between its step begin and end.
+    """
+
+    def __init__(self, sim: Simulator, opt: PowerLimitOptimizer) -> None:
+        self.sim, self.opt = sim, opt
+        self.seen: list[tuple[State, float]] = []  # (optimizer state, GPU limit) at each training batch
+        self.val_batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((self.opt.state, self.sim.gpus[0].power_limit_w()))
+        self.sim.run(WORK_S, CF)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val_batches += 1
+        self.sim.run(EVAL_WORK_S, CF)
+
+
+def setup(max_epochs: int = 20, **trainer_kw):
+    sim = Simulator("A100")
+    sim.set_workload(Constant(1.0), cpus=False)
+    sim.gpus[0].set_power_limit_w(PRESET_W)
+    opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), selector="energy", warmup_steps=2,
+                              profile_steps=5, handle_signals=False)
+    work = SimWork(sim, opt)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[work, PowerLimitCallback(opt)],
+        **trainer_kw,
+    )
+    return sim, opt, work, trainer
+
+
+def test_trainer_profiles_picks_a_limit_runs_at_it_and_restores():
+    sim, opt, work, trainer = setup(val_check_interval=7)  # validation every 7 batches, and at epoch end
+    trainer.fit(MLP(), loader(176), loader(32, seed=1))
+
+    assert opt.state is State.DONE
+    lo, hi = sim.gpus[0].power_limit_range_w()
+    assert lo < opt.chosen_limit_w < hi
+    assert len(opt.points) >= 3
+    # 11 batches per epoch: profiles span epoch ends and validation runs (the sanity check's
+    # too), and neither the pauses nor the validation work (0.5 s per batch) leak into the points.
+    assert work.val_batches > 2
+    for limit, p in opt.points.items():
+        t = truth(limit)
+        assert p.time_s == pytest.approx(t.time_s, rel=1e-2)
+        assert p.energy_j == pytest.approx(t.energy_j, rel=3e-2)
+    # The best limit in hindsight among those profiled (the simulated A100's optimum is near 225 W).
+    assert opt.chosen_limit_w == min(opt.points, key=lambda x: truth(x).energy_j)
+    assert 175.0 <= opt.chosen_limit_w <= 275.0
+    # Every batch after the choice ran at the chosen limit; there were many of them.
+    done = [limit for state, limit in work.seen if state is State.DONE]
+    assert len(done) >= 20 and set(done) == {opt.chosen_limit_w}
+    assert len(work.seen) == 220
+    # Training ended: the GPU is back at the limit it had before.
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+    assert opt.guard.changed == []
+
+
+def test_checkpoint_saving_pauses_the_measurement(tmp_path):
+    sim, opt, work, trainer = setup(max_epochs=6, limit_val_batches=0)
+    saved: list[State] = []
+
+    class SlowCheckpoint(pl.Callback):  # saving a checkpoint takes 2 s of (simulated) time
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            saved.append(opt.state)
+            sim.advance(2.0)
+
+    trainer.callbacks.append(SlowCheckpoint())
+    model = MLP()
+
+    class SaveEvery4(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step % 4 == 0:
+                trainer.save_checkpoint(tmp_path / "last.ckpt")
+
+    trainer.callbacks.append(SaveEvery4())
+    trainer.fit(model, loader(176))
+    assert State.PROFILING in saved or State.WARMUP in saved
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-2)
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
+def test_exception_in_training_step_restores_the_limit():
+    sim, opt, work, trainer = setup()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(MLP(fail_after=15), loader(176), loader(32, seed=1))  # no `with optimizer:` needed
+    assert len(work.seen) == 15
+    assert any(limit != PRESET_W for _, limit in work.seen)  # it had been changed
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+    assert opt.guard.changed == []
