@@ -74,7 +74,7 @@ class PowerLimitCallback(TrainerCallback):
         if self.pause_on_eval_and_save and (
             getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
         ):
-            self.optimizer.on_epoch_end()  # pauses a profile in progress; no-op otherwise
+            self.optimizer.pause()  # a profile in progress pauses; no-op otherwise
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.optimizer.on_epoch_end()

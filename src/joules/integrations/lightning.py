@@ -95,8 +95,8 @@ class PowerLimitCallback(Callback):
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         # Also runs for the sanity check, before on_train_start: the optimizer ignores it then.
         if self.pause_on_validation_and_save:
-            self.optimizer.on_epoch_end()
+            self.optimizer.pause()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.pause_on_validation_and_save:
-            self.optimizer.on_epoch_end()
+            self.optimizer.pause()

@@ -286,6 +286,14 @@ class PowerLimitOptimizer:
 
     def on_epoch_end(self) -> None:
         """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
+        self.pause()
+
+    def pause(self) -> None:
+        """Work that is not a training step follows (evaluation, a checkpoint): stop measuring.
+
+        A profile in progress keeps the steps measured so far; the next steps warm up again
+        before the measurement resumes. Nothing happens outside profiling.
+        """
         acc = self._acc
         if acc is None or self.state not in (State.WARMUP, State.PROFILING):
             return
