@@ -19,32 +19,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _common import CF, EVAL_WORK_S, PRESET_W, WORK_S, check_profiled_chose_and_restored  # noqa: E402
+
 from joules.devices.sim import Constant, Simulator  # noqa: E402
 from joules.integrations.huggingface import PowerLimitCallback  # noqa: E402
 from joules.monitoring.monitor import EnergyMonitor  # noqa: E402
-from joules.optimizers.power_limit import LimitPoint  # noqa: E402
 from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer, State  # noqa: E402
-
-WORK_S, CF = 0.2, 0.8  # one training step on the simulated GPU
-EVAL_WORK_S = 0.5  # one evaluation batch: must not be counted as training
-PRESET_W = 300.0  # what the GPU had before training: comes back at the end
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-@pytest.fixture(autouse=True)
-def _state_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path / "state"))
-
-
-def truth(limit: float) -> LimitPoint:
-    """Exact time and energy of one training step at ``limit`` on a simulated A100."""
-    sim = Simulator("A100")
-    sim.set_workload(Constant(1.0), cpus=False)
-    sim.gpus[0].set_power_limit_w(limit)
-    e0 = sim.gpus[0].true_energy_j()
-    t = sim.run(WORK_S, CF)
-    return LimitPoint(limit, t, sim.gpus[0].true_energy_j() - e0)
 
 
 class MLP(torch.nn.Module):
@@ -123,26 +107,9 @@ def test_trainer_profiles_picks_a_limit_runs_at_it_and_restores(tmp_path):
     sim, opt, work, trainer = setup(tmp_path, MLP())
     trainer.train()
 
-    assert opt.state is State.DONE
-    lo, hi = sim.gpus[0].power_limit_range_w()
-    assert lo < opt.chosen_limit_w < hi
-    assert len(opt.points) >= 3
-    # 11 steps per epoch, evaluation every 7 steps: profiles span epoch ends and evaluations,
-    # and neither the pauses nor the evaluation work (0.5 s per batch) leak into the points.
+    check_profiled_chose_and_restored(sim, opt, work.seen)
     assert work.eval_batches > 0
-    for limit, p in opt.points.items():
-        t = truth(limit)
-        assert p.time_s == pytest.approx(t.time_s, rel=1e-2)
-        assert p.energy_j == pytest.approx(t.energy_j, rel=3e-2)
-    # The best limit in hindsight among those profiled (the simulated A100's optimum is near 225 W).
-    assert opt.chosen_limit_w == min(opt.points, key=lambda x: truth(x).energy_j)
-    assert 175.0 <= opt.chosen_limit_w <= 275.0
-    # Every step after the choice ran at the chosen limit; there were many of them.
-    done = [limit for state, limit in work.seen if state is State.DONE]
-    assert len(done) >= 20 and set(done) == {opt.chosen_limit_w}
     assert len(work.seen) == trainer.state.global_step == 220
-    # Training ended: the GPU is back at the limit it had before.
-    assert sim.gpus[0].power_limit_w() == PRESET_W
     assert opt.guard.changed == []
 
 

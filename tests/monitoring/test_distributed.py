@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from joules.monitoring.distributed import collect, combine, gather, per_host
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
+from joules.testing.processes import free_port, run_forked
 
 UUID_A = "GPU-aaaa"
 UUID_B = "GPU-bbbb"
@@ -283,40 +283,16 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, port: int, out: Path) -> int:
-    """Start ``world`` ranks as processes forked from one that has imported torch (fast)."""
-    import multiprocessing
-
     import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
 
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 45
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    codes = []
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join()
-            print(f"rank {r} timed out", file=sys.stderr)
-        codes.append(p.exitcode)
-    print(f"exit codes {codes}", file=sys.stderr)
-    return 0 if codes == [0] * world else 1
+    return run_forked(_worker, [(r, world, port, out) for r in range(world)], timeout_s=45)
 
 
 def _run_world(tmp_path: Path) -> None:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "JOULES_SIM": ""}
     for _attempt in range(2):  # a second try in case another process took the free port
-        cmd = [sys.executable, __file__, "--launch", str(WORLD), str(_free_port()), str(tmp_path)]
+        cmd = [sys.executable, __file__, "--launch", str(WORLD), str(free_port()), str(tmp_path)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
         if proc.returncode == 0:
             return

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from joules.testing.processes import free_port, run_forked
 
 WORLD = 2
 SPECS = ("A100", "V100")  # different GPUs: the ranks must also agree on the candidate limits
@@ -70,31 +70,9 @@ def _worker(rank: int, port: int, out: Path, store: Path) -> None:
 
 
 def _launch(port: int, out: Path, store: Path) -> int:
-    import multiprocessing
-
     import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
 
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, port, out, store)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    for p in procs:
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-    codes = []
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        codes.append(p.exitcode)
-    print(f"exit codes {codes}", file=sys.stderr)
-    return 0 if codes == [0] * WORLD else 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return run_forked(_worker, [(r, port, out, store) for r in range(WORLD)], timeout_s=60)
 
 
 def _run_world(out: Path, store: Path) -> list[dict]:
@@ -102,7 +80,7 @@ def _run_world(out: Path, store: Path) -> list[dict]:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "JOULES_SIM": "",
            "JOULES_STATE_DIR": str(store.parent)}
     for _attempt in range(2):  # a second try in case another process took the free port
-        cmd = [sys.executable, __file__, "--launch", str(_free_port()), str(out), str(store)]
+        cmd = [sys.executable, __file__, "--launch", str(free_port()), str(out), str(store)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
