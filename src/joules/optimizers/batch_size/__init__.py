@@ -1,0 +1,1 @@
+"""Batch-size optimization for recurring jobs: the policy, its trace simulator, the client."""

@@ -1,0 +1,1 @@
+"""The batch-size optimizer server (``joules serve``): jobs, trials and policy state in a database."""

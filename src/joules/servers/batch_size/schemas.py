@@ -1,0 +1,144 @@
+"""The wire format of the batch-size optimizer server (one place for server and client).
+
+Endpoints (JSON; ``Authorization: Bearer TOKEN`` when the server has a token):
+
+- ``POST /jobs`` (:class:`JobCreate`) -> 201 :class:`JobOut`. Registering a name again with
+  the same spec returns the existing job (200); with a different spec, 409.
+- ``GET /jobs/{job_id}`` -> :class:`JobState`; ``GET /jobs/{job_id}/trials`` -> list of
+  :class:`TrialOut`, oldest first.
+- ``POST /jobs/{job_id}/trials`` (:class:`TrialCreate`) -> 201 :class:`TrialOut`: the batch
+  size of a new trial.
+- ``POST /jobs/{job_id}/trials/{trial_id}/epochs`` (:class:`EpochReport`) -> :class:`EpochAnswer`:
+  whether to stop. Idempotent per epoch: the same report again gets the same answer; a
+  different report for an epoch already reported gets 409.
+- ``POST /jobs/{job_id}/trials/{trial_id}/end`` (:class:`TrialEnd`) -> :class:`TrialOut`.
+- ``GET /healthz``; ``GET /metrics`` (Prometheus).
+
+Invalid requests get 422 (body) or 404/409 with ``{"detail": ...}`` naming the field or
+object at fault.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobCreate(_Model):
+    """A recurring job and how to choose its batch size."""
+
+    name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name of the recurring job.")
+    batch_sizes: list[int] = Field(min_length=1, max_length=256, description="Candidate batch sizes.")
+    default_batch_size: int = Field(gt=0, description="Where exploration starts; one of batch_sizes.")
+    target_metric: float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
+    higher_is_better: bool = Field(True, description="False for metrics like WER.")
+    max_epochs: int = Field(gt=0, le=1_000_000, description="Epochs after which a trial fails.")
+    max_power_w: float = Field(gt=0, allow_inf_nan=False, description="Max power of the job's GPUs, W.")
+    eta: float = Field(0.5, ge=0.0, le=1.0, description="Weight of energy in the cost.")
+    beta: float = Field(2.0, gt=1.0, le=1000.0, allow_inf_nan=False, description="Early-stop factor.")
+    window_size: int = Field(0, ge=0, le=100_000, description="Observations kept per batch size; 0: all.")
+    prior_mean: float | None = Field(None, allow_inf_nan=False)
+    prior_precision: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    policy: Literal["joules", "nsdi23"] = "joules"
+    knobs: dict[str, str | float | int | bool] = Field(
+        default_factory=dict, max_length=64, description="Other settings of the job, kept for reference.")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _distinct_positive(cls, v: list[int]) -> list[int]:
+        if any(b <= 0 for b in v):
+            raise ValueError("batch_sizes must all be positive")
+        if len(set(v)) != len(v):
+            raise ValueError("batch_sizes must be distinct")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _default_is_a_candidate(self) -> JobCreate:
+        if self.default_batch_size not in self.batch_sizes:
+            raise ValueError(f"default_batch_size {self.default_batch_size} is not one of batch_sizes")
+        return self
+
+
+class JobOut(JobCreate):
+    """A registered job."""
+
+    job_id: str
+    created_at: datetime
+
+
+class PosteriorOut(_Model):
+    """The posterior of one batch size's cost."""
+
+    mean: float
+    std: float
+    n: int
+
+
+class JobState(_Model):
+    """A job, where its policy stands, and its trial counts."""
+
+    job: JobOut
+    phase: str
+    explored: dict[int, str]
+    surviving: list[int]
+    posterior: dict[int, PosteriorOut]
+    best_batch_size: int | None
+    best_cost: float | None
+    trials: dict[str, int] = Field(description="Count of trials per status.")
+
+
+class TrialCreate(_Model):
+    """Ask for a new trial."""
+
+    client: str | None = Field(None, max_length=200, description="Free text: host, run id...")
+
+
+class TrialOut(_Model):
+    """A trial and, once ended, its result."""
+
+    trial_id: str
+    job_id: str
+    batch_size: int
+    phase: Literal["explore", "exploit"]
+    stop_cost: float | None
+    status: Literal["running", "ended"]
+    outcome: Literal["reached", "max_epochs", "early_stopped", "aborted"] | None = None
+    epochs: int = 0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    cost: float = 0.0
+    created_at: datetime
+    ended_at: datetime | None = None
+
+
+class EpochReport(_Model):
+    """One epoch of a trial: its time, energy, and validation metric after it."""
+
+    epoch: int = Field(ge=1, le=1_000_000)
+    time_s: float = Field(ge=0.0, allow_inf_nan=False)
+    energy_j: float = Field(ge=0.0, allow_inf_nan=False)
+    metric: float = Field(allow_inf_nan=False)
+
+
+class EpochAnswer(_Model):
+    """Whether the trial should stop after this epoch."""
+
+    stop: bool
+    reason: Literal["reached", "max_epochs", "early_stopped"] | None = None
+    cost: float = Field(description="The trial's cost so far.")
+    stop_cost: float | None = None
+
+
+class TrialEnd(_Model):
+    """End a trial: ``completed`` (its epochs tell how) or ``aborted`` (crashed, cancelled)."""
+
+    status: Literal["completed", "aborted"] = "completed"
