@@ -28,9 +28,19 @@ from joules.optimizers.power_limit import PowerLimitOptimizer
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # Imported on first use: the batch-size client needs httpx, which ``import joules`` does not.
+    if name == "BatchSizeOptimizer":
+        from joules.optimizers.batch_size.client import BatchSizeOptimizer
+
+        return BatchSizeOptimizer
+    raise AttributeError(f"module 'joules' has no attribute {name!r}")
+
+
 __all__ = [
-    "CPU", "Clock", "DeviceEnergy", "DeviceNotFoundError", "DevicePermissionError", "DeviceSet",
-    "EnergyMonitor", "GPU", "InvalidSpecError", "JoulesError", "Measurement", "NotSupportedError",
-    "PowerLimitOptimizer", "PowerSampler", "Problem", "RealClock", "Source", "VirtualClock",
-    "WindowError", "WindowHandle", "discover",
+    "BatchSizeOptimizer", "CPU", "Clock", "DeviceEnergy", "DeviceNotFoundError", "DevicePermissionError",
+    "DeviceSet", "EnergyMonitor", "GPU", "InvalidSpecError", "JoulesError", "Measurement",
+    "NotSupportedError", "PowerLimitOptimizer", "PowerSampler", "Problem", "RealClock", "Source",
+    "VirtualClock", "WindowError", "WindowHandle", "discover",
 ]

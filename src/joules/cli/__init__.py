@@ -1,4 +1,7 @@
-"""The ``joules`` command line: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``."""
+"""The ``joules`` command line.
+
+Commands: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``, ``serve``.
+"""
 
 from __future__ import annotations
 
@@ -60,9 +63,9 @@ def parse_indices(value: str | None, what: str) -> list[int] | None:
 
 
 def _register() -> None:
-    from joules.cli import demo, info, measure, power, restore, simulate
+    from joules.cli import demo, info, measure, power, restore, serve, simulate
 
-    for module in (info, measure, power, demo, simulate, restore):
+    for module in (info, measure, power, demo, simulate, restore, serve):
         module.register(app)
 
 

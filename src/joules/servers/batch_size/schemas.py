@@ -6,22 +6,25 @@ Endpoints (JSON; ``Authorization: Bearer TOKEN`` when the server has a token):
   the same spec returns the existing job (200); with a different spec, 409.
 - ``GET /jobs/{job_id}`` -> :class:`JobState`; ``GET /jobs/{job_id}/trials`` -> list of
   :class:`TrialOut`, oldest first.
-- ``POST /jobs/{job_id}/trials`` (:class:`TrialCreate`) -> 201 :class:`TrialOut`: the batch
-  size of a new trial.
+- ``POST /jobs/{job_id}/trials`` (:class:`TrialCreate`, body optional) -> 201 :class:`TrialOut`:
+  the batch size of a new trial; with a ``request_id`` already used for this job, that trial
+  again (200). ``GET /jobs/{job_id}/trials/{trial_id}`` -> :class:`TrialOut`.
 - ``POST /jobs/{job_id}/trials/{trial_id}/epochs`` (:class:`EpochReport`) -> :class:`EpochAnswer`:
   whether to stop. Idempotent per epoch: the same report again gets the same answer; a
   different report for an epoch already reported gets 409.
-- ``POST /jobs/{job_id}/trials/{trial_id}/end`` (:class:`TrialEnd`) -> :class:`TrialOut`.
+- ``POST /jobs/{job_id}/trials/{trial_id}/end`` (:class:`TrialEnd`, body optional) ->
+  :class:`TrialOut`. Ending a trial that has ended changes nothing and returns it.
 - ``GET /healthz``; ``GET /metrics`` (Prometheus).
 
 Invalid requests get 422 (body) or 404/409 with ``{"detail": ...}`` naming the field or
-object at fault.
+object at fault; 401 without the right token; 503 (with ``Retry-After``) while the database
+is unavailable.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,7 +39,9 @@ class JobCreate(_Model):
     """A recurring job and how to choose its batch size."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name of the recurring job.")
-    batch_sizes: list[int] = Field(min_length=1, max_length=256, description="Candidate batch sizes.")
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+        min_length=1, max_length=256, json_schema_extra={"uniqueItems": True},
+        description="Candidate batch sizes (distinct, positive).")
     default_batch_size: int = Field(gt=0, description="Where exploration starts; one of batch_sizes.")
     target_metric: float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
     higher_is_better: bool = Field(True, description="False for metrics like WER.")
@@ -100,6 +105,10 @@ class TrialCreate(_Model):
     """Ask for a new trial."""
 
     client: str | None = Field(None, max_length=200, description="Free text: host, run id...")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=64, exclude_if=lambda v: v is None,  # unset: not sent at all
+        description="Idempotency key of the client's choosing: a retry with the same key gets the same "
+                    "trial back (200) instead of a second one.")
 
 
 class TrialOut(_Model):

@@ -1,0 +1,231 @@
+"""The batch-size optimizer on recurring jobs: joules vs the original NSDI'23 (Zeus) simulator.
+
+Reproduces the trace-driven evaluation of the Zeus paper (NSDI'23) on every workload of the
+training trace and every GPU with a power trace (v100, a40), for several seeds, with:
+
+- **joules**: ``joules.optimizers.batch_size`` (both policy variants, ``joules`` and
+  ``nsdi23``) in joules' simulator (:func:`joules.optimizers.batch_size.simulator.simulate`),
+  whose power limits come from joules' adaptive power-limit search;
+- **Zeus**: the original simulator and policies of ``zeus._legacy`` (Zeus 0.16,
+  ``PruningGTSBatchSizeOptimizer`` + ``JITPowerLimitOptimizer``), run in ``.bench-venv``
+  by ``benchmarks/_zeus_recurring.py`` on the same traces, seeds, eta, beta and recurrences.
+
+Reported per (GPU, workload), averaged over the seeds: energy saved against the default
+configuration (default batch size at the highest power limit), and the gap to the best
+configuration in hindsight (cost above the oracle's, %). Both baselines are expected values
+computed by joules from the traces (the same for every policy). The goal, per row: joules'
+energy savings at least the original's, and joules' gap at most half the original's.
+
+``--ablation`` adds rows for joules' policy with one part turned off (the cost-based end of
+an exploration direction; the per-epoch cost model shared across batch sizes), so each
+part's worth shows.
+
+Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--ablation] [--json PATH]``
+(from the repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``;
+``--no-zeus`` runs joules alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from joules.optimizers.batch_size.policy import JoulesPolicy, make_policy
+from joules.optimizers.batch_size.simulator import simulate
+from joules.optimizers.batch_size.traces import JOBS, JobTrace, known_gpus, load_job
+from joules.optimizers.batch_size.types import Policy, PolicyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ZEUS_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
+ZEUS_RUNNER = ROOT / "benchmarks" / "_zeus_recurring.py"
+
+
+class NoCostStop(JoulesPolicy):
+    """joules without the cost-based end of a direction: a direction goes on until a failure."""
+
+    margin = float("inf")
+
+
+class LogCostModel(JoulesPolicy):
+    """joules without the per-epoch model: Thompson sampling on log costs with a shared variance."""
+
+    per_epoch = False
+
+
+POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
+    "joules": make_policy,
+    "nsdi23": lambda c: make_policy(PolicyConfig(**{**c.__dict__, "variant": "nsdi23"})),
+}
+ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
+    "joules - cost stop": NoCostStop,
+    "joules - per-epoch model": LogCostModel,
+}
+
+
+def run_joules(job: JobTrace, factory: Callable[[PolicyConfig], Policy], seeds: list[int], eta: float,
+               beta: float) -> dict[str, Any]:
+    runs = {}
+    t0 = time.perf_counter()
+    for seed in seeds:
+        r = simulate(job, seed=seed, eta=eta, beta=beta, factory=factory)
+        runs[str(seed)] = {**{k: r.to_dict()[k] for k in ("energy_j", "time_s", "cost")},
+                           "trials": len(r.trials)}
+    return {"runs": runs, "wall_s": time.perf_counter() - t0}
+
+
+def run_zeus(traces: Path, job: JobTrace, seeds: list[int], eta: float, beta: float) -> dict[str, Any]:
+    spec = job.spec
+    arg = {"traces": str(traces), "gpu": job.gpu, "dataset": spec.dataset, "network": spec.network,
+           "optimizer": job.optimizer, "target_metric": spec.target_metric, "max_epochs": spec.max_epochs,
+           "default_batch_size": spec.default_batch_size, "eta": eta, "beta": beta,
+           "recurrences": job.default_recurrences(), "seeds": seeds}
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(ZEUS_PYTHON), str(ZEUS_RUNNER), json.dumps(arg)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"Zeus failed on {spec.workload} ({job.gpu}):\n{proc.stderr[-3000:]}")
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"runs": runs, "wall_s": time.perf_counter() - t0}
+
+
+def summarize(res: dict[str, Any], job: JobTrace, eta: float) -> None:
+    """Add means, savings and gap to one policy's result."""
+    from joules.optimizers.batch_size.simulator import default_config, oracle_config
+
+    runs = list(res["runs"].values())
+    n = job.default_recurrences()
+    d, o = default_config(job, eta), oracle_config(job, eta)
+    energy = sum(r["energy_j"] for r in runs) / len(runs)
+    cost = sum(r["cost"] for r in runs) / len(runs)
+    res.update(energy_j=energy, time_s=sum(r["time_s"] for r in runs) / len(runs), cost=cost,
+               energy_saved_pct=100 * (1 - energy / (n * d.energy_j)),
+               cost_saved_pct=100 * (1 - cost / (n * d.cost)),
+               gap_pct=100 * (cost / (n * o.cost) - 1),
+               gap_pct_per_seed=[100 * (r["cost"] / (n * o.cost) - 1) for r in runs])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "data" / "nsdi23-traces")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds 1..N (default: %(default)s)")
+    ap.add_argument("--eta", type=float, default=0.5)
+    ap.add_argument("--beta", type=float, default=2.0)
+    ap.add_argument("--gpus", default=None, help="comma-separated (default: every power trace)")
+    ap.add_argument("--ablation", action="store_true", help="also joules with one part turned off")
+    ap.add_argument("--no-zeus", action="store_true", help="skip the original (Zeus) simulator")
+    ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the raw results")
+    args = ap.parse_args()
+    if not args.traces.is_dir():
+        print(f"trace directory not found: {args.traces}", file=sys.stderr)
+        return 1
+    if not args.no_zeus and not ZEUS_PYTHON.exists():
+        print(f"{ZEUS_PYTHON} not found: set up .bench-venv (benchmarks/README.md) or pass --no-zeus",
+              file=sys.stderr)
+        return 1
+    gpus = args.gpus.split(",") if args.gpus else [g for g in ("v100", "a40") if g in known_gpus(args.traces)]
+    seeds = list(range(1, args.seeds + 1))
+    jobs = [load_job(args.traces, g, w) for g in gpus for w in JOBS]
+    policies = {**POLICIES, **(ABLATIONS if args.ablation else {})}
+    console = Console(width=180)
+    t0 = time.perf_counter()
+
+    zeus: dict[int, Any] = {}
+    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1)) as pool:
+        futures = {}
+        if not args.no_zeus:
+            futures = {i: pool.submit(run_zeus, args.traces, job, seeds, args.eta, args.beta)
+                       for i, job in enumerate(jobs)}
+        rows = []
+        for job in jobs:
+            row: dict[str, Any] = {"gpu": job.gpu, "workload": job.spec.workload,
+                                   "recurrences": job.default_recurrences(), "policies": {}}
+            for name, factory in policies.items():
+                res = run_joules(job, factory, seeds, args.eta, args.beta)
+                summarize(res, job, args.eta)
+                row["policies"][name] = res
+            rows.append(row)
+            console.print(f"[dim]{job.gpu} {job.spec.workload}: joules done[/dim]")
+        for i, f in futures.items():
+            zeus[i] = f.result()
+    joules_wall = sum(p["wall_s"] for r in rows for p in r["policies"].values())
+    for i, row in enumerate(rows):
+        if i in zeus:
+            summarize(zeus[i], jobs[i], args.eta)
+            row["policies"]["zeus (original)"] = zeus[i]
+            z, j = zeus[i], row["policies"]["joules"]
+            row["goal_savings"] = j["energy_saved_pct"] >= z["energy_saved_pct"]
+            row["goal_gap"] = j["gap_pct"] <= 0.5 * z["gap_pct"]
+    wall = time.perf_counter() - t0
+
+    zeus_name = "zeus (original)"
+    main_names = ["joules"] + ([] if args.no_zeus else [zeus_name]) + ["nsdi23"]
+    t = Table(title=f"Batch-size optimizer on recurring jobs: {len(seeds)} seeds, eta {args.eta:g}, "
+                    f"beta {args.beta:g}, 2 x |B| x |P| recurrences (N)")
+    for col in ("GPU", "workload", "N"):
+        t.add_column(col, justify="left" if col != "N" else "right")
+    for name in main_names:
+        t.add_column(f"energy saved\n{name}", justify="right")
+    for name in main_names:
+        t.add_column(f"gap\n{name}", justify="right")
+    if not args.no_zeus:
+        t.add_column("gap ratio\njoules/zeus", justify="right")
+        t.add_column("goal\nsaved, gap", justify="center")
+
+    def mean(name: str, key: str) -> float:
+        return sum(r["policies"][name][key] for r in rows) / len(rows)
+
+    for row in rows:
+        pol = row["policies"]
+        cells = [row["gpu"], row["workload"], str(row["recurrences"])]
+        cells += [f"{pol[n]['energy_saved_pct']:.1f} %" for n in main_names]
+        cells += [f"{pol[n]['gap_pct']:.2f} %" for n in main_names]
+        if not args.no_zeus:
+            cells.append(f"{pol['joules']['gap_pct'] / pol[zeus_name]['gap_pct']:.2f}")
+            cells.append(f"{'yes' if row['goal_savings'] else 'NO'}, {'yes' if row['goal_gap'] else 'NO'}")
+        t.add_row(*cells)
+    cells = ["mean", "", ""]
+    cells += [f"{mean(n, 'energy_saved_pct'):.1f} %" for n in main_names]
+    cells += [f"{mean(n, 'gap_pct'):.2f} %" for n in main_names]
+    if not args.no_zeus:
+        met = sum(r["goal_savings"] and r["goal_gap"] for r in rows)
+        cells += [f"{mean('joules', 'gap_pct') / mean(zeus_name, 'gap_pct'):.2f}", f"{met} of {len(rows)}"]
+    t.add_row(*cells, style="bold")
+    zeus_wall = sum(z["wall_s"] for z in zeus.values())
+    t.caption = ("energy saved: vs the default batch size at the highest power limit; gap: cost above the "
+                 "best configuration in hindsight. nsdi23: joules' implementation of the original policy. "
+                 f"Wall time {wall:.0f} s (joules simulations {joules_wall:.1f} s"
+                 + ("" if args.no_zeus else f"; Zeus {zeus_wall:.0f} s in parallel subprocesses") + ").")
+    console.print(t)
+    if not args.no_zeus:
+        console.print(f"goal (joules saves at least the original's energy, at most half its gap) met on "
+                      f"{met} of {len(rows)}: savings on {sum(r['goal_savings'] for r in rows)}, "
+                      f"gap on {sum(r['goal_gap'] for r in rows)}")
+    if args.ablation:
+        names = ["joules", *ABLATIONS, "nsdi23"]
+        a = Table(title="Ablation: gap to the best configuration in hindsight (cost above it)")
+        for col in ("GPU", "workload", *names):
+            a.add_column(col, justify="left" if col in ("GPU", "workload") else "right")
+        for row in rows:
+            a.add_row(row["gpu"], row["workload"], *(f"{row['policies'][n]['gap_pct']:.2f} %" for n in names))
+        a.add_row("mean", "", *(f"{mean(n, 'gap_pct'):.2f} %" for n in names), style="bold")
+        console.print(a)
+    means = {n: mean(n, "gap_pct") for n in rows[0]["policies"]}
+    if args.json:
+        args.json.write_text(json.dumps({"seeds": seeds, "eta": args.eta, "beta": args.beta, "rows": rows,
+                                         "mean_gap_pct": means, "wall_s": wall}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""The batch-size optimizer client: a recurring job asks the server for its batch size.
+
+Each run of a recurring training job is a *trial*. The client registers the job, gets the
+trial's batch size from the server, measures every epoch's time and GPU energy with an
+:class:`~joules.monitoring.monitor.EnergyMonitor`, reports each epoch with its validation
+metric, and learns from the server's answer whether to stop::
+
+    monitor = EnergyMonitor()
+    job = {"name": "resnet50-imagenet", "batch_sizes": [64, 128, 256, 512],
+           "default_batch_size": 256, "target_metric": 0.75, "max_epochs": 90}
+    with BatchSizeOptimizer(monitor, "http://bso.internal:7787", job) as bso:
+        loader = make_loader(batch_size=bso.get_batch_size())
+        bso.on_train_begin()
+        for epoch in range(90):
+            bso.on_epoch_begin()
+            for batch in loader:
+                bso.on_step_begin()
+                train_step(batch)
+                bso.on_step_end()
+            bso.on_epoch_end()
+            if bso.on_evaluate(evaluate()):
+                break
+        bso.on_train_end()
+
+Inside each trial, a :class:`~joules.optimizers.power_limit.PowerLimitOptimizer` (on by
+default) finds the GPU power limit for that batch size during the first epochs; its profile
+is saved per job and batch size, so a later trial with the same batch size skips profiling.
+The profiling is part of the trial, so its time and energy are part of the trial's cost.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from joules.errors import JoulesError, NotSupportedError
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
+from joules.servers.batch_size.schemas import (
+    EpochAnswer,
+    EpochReport,
+    JobCreate,
+    JobOut,
+    TrialCreate,
+    TrialEnd,
+    TrialOut,
+)
+
+log = logging.getLogger("joules.batch_size")
+
+TOKEN_ENV = "JOULES_SERVER_TOKEN"
+_WINDOW = "joules.batch_size"
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504}) | frozenset(range(505, 600))
+_MAX_RETRY_AFTER_S = 60.0
+M = TypeVar("M", bound=BaseModel)
+
+_STOP_REASONS = {
+    "reached": "the target metric was reached",
+    "max_epochs": "max_epochs passed without reaching the target metric",
+    "early_stopped": "the trial's cost exceeded the early-stop bound (beta times the best cost)",
+}
+
+
+class ServerError(JoulesError):
+    """The batch-size server could not be reached, or answered with an error.
+
+    Attributes:
+        status_code: The HTTP status of the last answer (``None``: no answer, e.g. a
+            connection error or a timeout).
+        detail: The server's ``detail``, when it gave one.
+    """
+
+    def __init__(self, message: str, status_code: int | None = None, detail: Any = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One reported epoch and the server's answer.
+
+    Attributes:
+        report: What was reported (epoch number, time, energy, metric).
+        answer: Whether to stop, why, and the trial's cost so far.
+    """
+
+    report: EpochReport
+    answer: EpochAnswer
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise JoulesError(
+            f"server_url must be an http(s) URL like http://host:7787, got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise JoulesError(f"server_url {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise JoulesError(f"server_url {url!r} must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def _detail(response: httpx.Response) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or None
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        if isinstance(detail, list) and all(isinstance(d, dict) and "msg" in d for d in detail):
+            # A validation error (422): "body.batch_sizes: Value error, ..." for each problem.
+            return "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d['msg']}" for d in detail)
+        return detail
+    return body
+
+
+def _default_max_power_w(monitor: EnergyMonitor) -> float:
+    if not monitor.gpus:
+        raise JoulesError("the job has no max_power_w and the monitor measures no GPU: give max_power_w")
+    try:
+        return float(sum(g.power_limit_range_w()[1] for g in monitor.gpus))
+    except NotSupportedError as e:
+        raise JoulesError(f"the job has no max_power_w and the GPUs do not tell their maximum power ({e}): "
+                          "give max_power_w") from None
+
+
+class BatchSizeOptimizer:
+    """Gets a recurring job's batch size from the batch-size server and reports each epoch.
+
+    Args:
+        monitor: Measures each epoch's time and GPU energy (all of its GPUs are the job's).
+        server_url: The server, e.g. ``"http://bso.internal:7787"``.
+        job: The job's spec: a :class:`~joules.servers.batch_size.schemas.JobCreate` or a dict
+            of its fields. A dict without ``max_power_w`` gets the sum of the monitor's GPUs'
+            highest power limits.
+        token: Bearer token for the server (default: ``$JOULES_SERVER_TOKEN``, if set).
+        timeout_s: Timeout of each request (connect, read, write), s.
+        retries: Retries of a request that failed with a connection error, a timeout, a 5xx
+            or a 429 answer (no other 4xx is retried).
+        backoff_s: Wait before the first retry; it doubles with every retry (plus up to 10%
+            jitter). A 429's ``Retry-After`` is honored up to 60 s.
+        power_limit: Optimize the GPU power limit within each trial: ``True`` (default), a
+            dict of :class:`~joules.optimizers.power_limit.PowerLimitOptimizer` arguments
+            (``selector``, ``warmup_steps``, ``handle_signals``...), or ``False``. By default
+            the selector is ``cost:ETA`` with the job's ``eta``, the saved profile is keyed
+            ``"{job name}/bs{batch size}"``, and ``distributed=False`` (one client per job: it
+            controls the GPUs its monitor measures). With ``True``, a process that may not change power
+            limits (or a monitor without GPUs) gets a warning and trains at the current
+            limits; with a dict, it gets the error.
+        client_name: Free text the server records with each trial (default: ``host:pid``).
+        transport: An ``httpx`` transport (tests use ``httpx.MockTransport``).
+
+    Raises:
+        JoulesError: A malformed ``server_url``.
+        pydantic.ValidationError: A ``job`` that does not fit the schema (the message names
+            the field).
+    """
+
+    def __init__(
+        self,
+        monitor: EnergyMonitor,
+        server_url: str,
+        job: JobCreate | Mapping[str, Any],
+        *,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        power_limit: bool | Mapping[str, Any] = True,
+        client_name: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if backoff_s < 0:
+            raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
+        if not isinstance(power_limit, bool | Mapping):
+            raise ValueError(f"power_limit must be True, False or a dict, got {power_limit!r}")
+        if isinstance(power_limit, Mapping):
+            allowed = set(inspect.signature(PowerLimitOptimizer).parameters) - {"monitor"}
+            unknown = sorted(set(power_limit) - allowed)
+            if unknown:
+                raise ValueError(f"power_limit has unknown PowerLimitOptimizer argument(s) {unknown} "
+                                 f"(known: {', '.join(sorted(allowed))})")
+        self.monitor = monitor
+        self.server_url = _check_url(server_url)
+        if isinstance(job, Mapping):
+            spec = dict(job)
+            if "max_power_w" not in spec:
+                spec["max_power_w"] = _default_max_power_w(monitor)
+            job = JobCreate.model_validate(spec)
+        elif not isinstance(job, JobCreate):
+            raise ValueError(f"job must be a JobCreate or a dict, got {type(job).__name__}")
+        self.spec: JobCreate = job
+        self.retries = retries
+        self.backoff_s = float(backoff_s)
+        self.timeout_s = float(timeout_s)
+        self.client_name = client_name if client_name is not None else f"{socket.gethostname()}:{os.getpid()}"
+        self._power_limit = power_limit
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        headers = {"Accept": "application/json", "User-Agent": "joules-batch-size-client"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=self.timeout_s,
+                                  transport=transport)
+        self._sleep: Callable[[float], None] = time.sleep
+
+        self.job: JobOut | None = None
+        """The registered job (after :meth:`get_batch_size`)."""
+        self.trial: TrialOut | None = None
+        """The current trial (after :meth:`get_batch_size`); updated when it ends."""
+        self.epochs: list[EpochRecord] = []
+        """The current trial's reported epochs and the server's answers."""
+        self.stop_reason: str | None = None
+        """Why the server said to stop (``"reached"``, ``"max_epochs"``, ``"early_stopped"``)."""
+        self.power_limit_optimizer: PowerLimitOptimizer | None = None
+        """The current trial's power-limit optimizer (``None`` when disabled)."""
+        self._began = False
+        self._ended = False
+        self._window_open = False
+
+    # -- public state ---------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int | None:
+        """The current trial's batch size (``None`` before :meth:`get_batch_size`)."""
+        return self.trial.batch_size if self.trial is not None else None
+
+    @property
+    def epoch(self) -> int:
+        """Epochs reported in the current trial."""
+        return len(self.epochs)
+
+    # -- the trial ------------------------------------------------------------------------
+    def get_batch_size(self) -> int:
+        """The batch size to train with: registers the job and starts a trial (once per trial).
+
+        Calling it again returns the same batch size until the trial ends; after
+        :meth:`on_train_end` or :meth:`abort`, it starts a new trial.
+
+        Raises:
+            ServerError: The server could not be reached, refused the token, or has a job of
+                this name with a different spec (the message lists the fields that differ).
+        """
+        if self.trial is not None and not self._ended:
+            return self.trial.batch_size
+        if self.job is None:
+            self.job = self._register()
+        # A retry whose first attempt reached the server gets that trial back, not a second one.
+        request = TrialCreate(client=self.client_name, request_id=uuid.uuid4().hex)
+        trial = self._call("POST", f"/jobs/{self.job.job_id}/trials", TrialOut, request,
+                           what="create a trial")
+        self.trial = trial
+        self.epochs = []
+        self.stop_reason = None
+        self.power_limit_optimizer = None
+        self._began = self._ended = False
+        log.info("job %r trial %s: batch size %d (%s%s)", self.spec.name, trial.trial_id, trial.batch_size,
+                 trial.phase, "" if trial.stop_cost is None else f", stop cost {trial.stop_cost:.4g}")
+        return trial.batch_size
+
+    def on_train_begin(self) -> None:
+        """Training starts: the first epoch is measured from here, and the power-limit search starts.
+
+        The first step or epoch callback calls it if it was not called.
+
+        Raises:
+            JoulesError: No trial: :meth:`get_batch_size` was not called (or the trial ended).
+            DevicePermissionError: With a ``power_limit`` dict, the power limits cannot be
+                changed (the trial is ended as aborted).
+        """
+        if self._began:
+            return
+        if self.trial is None or self._ended:
+            raise JoulesError("call get_batch_size() first: it starts the trial and tells its batch size")
+        self._began = True
+        self.monitor.begin_window(self._window_name())
+        self._window_open = True
+        try:
+            self.power_limit_optimizer = self._make_power_limit_optimizer(self.trial.batch_size)
+            if self.power_limit_optimizer is not None:
+                self.power_limit_optimizer.on_train_begin()
+        except (JoulesError, ValueError) as e:
+            if not self._tolerate_power_limit_failure(e):
+                try:
+                    self.abort()
+                except JoulesError as abort_error:
+                    log.warning("could not mark the trial aborted: %s", abort_error)
+                raise
+
+    def on_epoch_begin(self) -> None:
+        """An epoch starts (optional)."""
+        self._ensure_began()
+        if self.power_limit_optimizer is not None:
+            self.power_limit_optimizer.on_epoch_begin()
+
+    def on_step_begin(self) -> None:
+        """A training step starts (optional; drives the power-limit search)."""
+        self._ensure_began()
+        if self.power_limit_optimizer is not None:
+            self.power_limit_optimizer.on_step_begin()
+
+    def on_step_end(self) -> None:
+        """A training step ended (drives the power-limit search)."""
+        self._ensure_began()
+        if self.power_limit_optimizer is not None:
+            self.power_limit_optimizer.on_step_end()
+
+    def on_epoch_end(self) -> None:
+        """The epoch's training steps ended: call it before evaluating.
+
+        It pauses a power-limit profile in progress, so that evaluation is not measured as
+        training steps (:meth:`on_evaluate` does it too, but only after the evaluation).
+        The evaluation still counts in the epoch's time and energy.
+        """
+        if self.power_limit_optimizer is not None:
+            self.power_limit_optimizer.on_epoch_end()
+
+    def on_evaluate(self, metric: float) -> bool:
+        """Report the epoch that just ended with its validation ``metric``; True: stop training.
+
+        The epoch's time and GPU energy are measured from :meth:`on_train_begin` (first epoch)
+        or the previous :meth:`on_evaluate` to now, evaluation included: the trial's cost is
+        its whole time and energy to accuracy.
+
+        Raises:
+            JoulesError: Training did not begin (no :meth:`on_train_begin` or step callbacks).
+            ServerError: The report failed after every retry.
+        """
+        if not self._began or self._ended or not self._window_open:
+            raise JoulesError("on_evaluate() before on_train_begin(): there is no epoch to report")
+        if not math.isfinite(metric):
+            raise ValueError(f"metric must be finite, got {metric}")
+        if self.stop_reason is not None:  # the server ended the trial with that answer
+            log.warning("on_evaluate() after the server said to stop (%s): not reported; stop training",
+                        self.stop_reason)
+            return True
+        if self.power_limit_optimizer is not None:
+            self.power_limit_optimizer.pause()
+        name = self._window_name()
+        m = self.monitor.end_window(name)
+        self.monitor.begin_window(name)  # the next epoch starts now: the report's own time counts
+        energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self.monitor.gpus)
+        report = EpochReport(epoch=len(self.epochs) + 1, time_s=m.elapsed_s, energy_j=energy, metric=metric)
+        answer = self._report(report)
+        self.epochs.append(EpochRecord(report, answer))
+        log.info("epoch %d: %.4g s, %.4g J, metric %.6g; cost so far %.4g", report.epoch, report.time_s,
+                 report.energy_j, metric, answer.cost)
+        if answer.stop:
+            self.stop_reason = answer.reason
+            why = _STOP_REASONS.get(answer.reason or "", answer.reason or "the server said so")
+            log.info("job %r trial %s (batch size %d): stop after epoch %d: %s (cost %.4g)",
+                     self.spec.name, self.trial.trial_id if self.trial else "?", self.batch_size or 0,
+                     report.epoch, why, answer.cost)
+        return answer.stop
+
+    def on_train_end(self) -> None:
+        """Training ended: end the trial (``completed``) and restore the GPUs' power limits."""
+        if self.trial is None or self._ended:
+            return
+        self._finish("completed")
+
+    def abort(self) -> None:
+        """End the trial as ``aborted`` (it crashed or was cancelled; the server learns nothing).
+
+        Raises:
+            ServerError: The server could not be told (the GPUs' limits are restored anyway).
+        """
+        if self.trial is None or self._ended:
+            return
+        self._finish("aborted")
+
+    def close(self) -> None:
+        """Close the HTTP connection pool (the trial is not ended; see :meth:`on_train_end`)."""
+        self._http.close()
+
+    def __enter__(self) -> BatchSizeOptimizer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.on_train_end()
+            return
+        try:
+            self.abort()
+        except JoulesError as e:  # never hide the exception that ended training
+            log.warning("could not mark the trial aborted: %s", e)
+
+    # -- internals ------------------------------------------------------------------------
+    def _window_name(self) -> str:
+        return f"{_WINDOW}.{id(self)}"
+
+    def _ensure_began(self) -> None:
+        if not self._began:
+            self.on_train_begin()
+
+    def _finish(self, status: Literal["completed", "aborted"]) -> None:
+        assert self.trial is not None
+        self._ended = True
+        if self._window_open:
+            try:
+                self.monitor.cancel_window(self._window_name())
+            except JoulesError:
+                pass
+            self._window_open = False
+        try:
+            if self.power_limit_optimizer is not None:
+                self.power_limit_optimizer.on_train_end()
+        finally:
+            self._began = False
+            trial = self.trial
+            out = self._call("POST", f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", TrialOut,
+                             TrialEnd(status=status), what=f"end the trial ({status})")
+            self.trial = out
+            if out.outcome is not None:
+                log.info("job %r trial %s ended: %s after %d epoch(s), %.4g s, %.4g J, cost %.4g",
+                         self.spec.name, out.trial_id, out.outcome, out.epochs, out.time_s, out.energy_j,
+                         out.cost)
+
+    def _make_power_limit_optimizer(self, batch_size: int) -> PowerLimitOptimizer | None:
+        if self._power_limit is False:
+            return None
+        # One client per job (rank 0 under torch.distributed): the other ranks do not run a
+        # power-limit optimizer, so this one must not wait for them in collectives.
+        kwargs: dict[str, Any] = {"selector": f"cost:{self.spec.eta:g}",
+                                  "workload": f"{self.spec.name}/bs{batch_size}", "distributed": False}
+        if isinstance(self._power_limit, Mapping):
+            kwargs.update(self._power_limit)
+        return PowerLimitOptimizer(self.monitor, **kwargs)
+
+    def _tolerate_power_limit_failure(self, e: Exception) -> bool:
+        """With ``power_limit=True``, a power-limit optimizer that cannot work is only a warning."""
+        if self._power_limit is not True:
+            return False
+        log.warning("training at the current power limits; the power-limit optimizer is off: %s", e)
+        plo, self.power_limit_optimizer = self.power_limit_optimizer, None
+        if plo is not None:
+            plo.on_train_end()
+        return True
+
+    def _register(self) -> JobOut:
+        try:
+            return self._call("POST", "/jobs", JobOut, self.spec, what="register the job")
+        except ServerError as e:
+            if e.status_code != 409:
+                raise
+            # The server's detail names the fields that differ.
+            raise ServerError(
+                f"could not register the job {self.spec.name!r} at {self.server_url}: {e.detail} (a job of "
+                "that name is registered with a different spec: use its spec, or another name)",
+                409, e.detail) from None
+
+    def _report(self, report: EpochReport) -> EpochAnswer:
+        assert self.trial is not None
+        trial = self.trial
+        return self._call("POST", f"/jobs/{trial.job_id}/trials/{trial.trial_id}/epochs", EpochAnswer,
+                          report, what=f"report epoch {report.epoch}")
+
+    def _call(self, method: str, path: str, model: type[M], body: BaseModel | None = None, *,
+              what: str) -> M:
+        """One request, retried on connection errors, timeouts, 5xx and 429; the answer parsed.
+
+        Every request is safe to repeat: registration and epoch reports are idempotent on the
+        server, and a trial is created with an idempotency key.
+        """
+        url = f"{self.server_url}{path}"
+        payload = body.model_dump(mode="json") if body is not None else None
+        attempts = self.retries + 1
+        failure = ""
+        retry_after: float | None = None
+        for attempt in range(attempts):
+            if attempt:
+                self._sleep(self._delay(attempt, retry_after))
+            retry_after = None
+            try:
+                response = self._http.request(method, path, json=payload)
+            except httpx.TimeoutException as e:
+                failure = f"timed out after {self.timeout_s:g} s ({type(e).__name__})"
+                log.warning("%s %s: %s (attempt %d of %d)", method, url, failure, attempt + 1, attempts)
+                continue
+            except httpx.TransportError as e:
+                failure = f"{type(e).__name__}: {e}"
+                log.warning("%s %s: %s (attempt %d of %d)", method, url, failure, attempt + 1, attempts)
+                continue
+            status = response.status_code
+            if status < 400:
+                try:
+                    return model.model_validate(response.json())
+                except (ValueError, ValidationError) as e:
+                    raise ServerError(f"could not {what}: {method} {url} answered {status} with a body "
+                                      f"that is not a {model.__name__}: {e}", status) from None
+            detail = _detail(response)
+            if status in _RETRY_STATUS:
+                failure = f"HTTP {status}: {detail}"
+                retry_after = _retry_after(response)
+                log.warning("%s %s: %s (attempt %d of %d)", method, url, failure, attempt + 1, attempts)
+                continue
+            hint = ""
+            if status in (401, 403):
+                hint = f" (check the token: token=... or ${TOKEN_ENV})"
+            raise ServerError(f"could not {what}: {method} {url} answered HTTP {status}{hint}: {detail}",
+                              status, detail)
+        last_status = None
+        if failure.startswith("HTTP "):
+            last_status = int(failure[5:8])
+        raise ServerError(f"could not {what}: {method} {url} failed {attempts} time(s); last: {failure}",
+                          last_status)
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        delay = self.backoff_s * 2 ** (attempt - 1)
+        delay += random.uniform(0.0, 0.1 * delay)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, _MAX_RETRY_AFTER_S))
+        return delay
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None

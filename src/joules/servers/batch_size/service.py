@@ -1,0 +1,456 @@
+"""What the server does, over the database: register jobs, hand out trials, take epoch reports, end trials.
+
+Every change runs in ONE transaction that starts by locking the job's row
+(:func:`~joules.servers.batch_size.db.lock_job`; on SQLite the transaction itself holds the
+database's write lock from ``BEGIN IMMEDIATE``), then loads the policy's state, applies the
+policy and writes the state back. Two requests for the same job, in one process or in several,
+therefore run one after the other, each seeing what the previous one committed; requests for
+different jobs do not wait for each other on PostgreSQL. Nothing is kept in the process
+between requests except the policy objects, which are pure (configuration only).
+
+How a trial ends (the answer to each epoch report, checked in this order):
+
+1. ``reached``: the reported metric meets the target (``>=`` when higher is better, else ``<=``);
+2. ``max_epochs``: this was epoch ``max_epochs``;
+3. ``early_stopped``: another epoch like this one would take the trial's cost past the stop
+   cost (see :func:`stop_bound`): the trial stops *before* the epoch that would cross it, so
+   a trial that cannot beat ``beta`` times the best is not trained an epoch too long.
+
+``POST .../end`` with ``completed`` on a trial still running (no report told it to stop) ends
+it as ``early_stopped`` if its cost now exceeds the stop cost (other trials may have lowered
+it since its last report), else as ``max_epochs``: training ended without reaching the
+target, as if ``max_epochs`` had been its last epoch. A trial with no epoch reported ends as
+``aborted`` either way: there is nothing to learn from it. ``aborted`` ends a running trial
+as ``aborted``; the policy sees every ending (:class:`TrialResult`). Ending a trial that has
+already ended changes nothing and returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, defer
+
+from joules.optimizers.batch_size.types import Policy, PolicyConfig, TrialOutcome, TrialResult, trial_cost
+from joules.servers.batch_size.db import Database, EpochReportRow, Job, Trial, as_utc, lock_job, utcnow
+from joules.servers.batch_size.schemas import (
+    EpochAnswer,
+    EpochReport,
+    JobCreate,
+    JobOut,
+    JobState,
+    PosteriorOut,
+    TrialCreate,
+    TrialEnd,
+    TrialOut,
+)
+
+PolicyFactory = Callable[[PolicyConfig], Policy]
+
+
+class ServiceError(Exception):
+    """A request the service refuses; the message names the object or field at fault."""
+
+    status_code = 400
+
+
+class NotFoundError(ServiceError):
+    """An unknown job or trial (HTTP 404)."""
+
+    status_code = 404
+
+
+class ConflictError(ServiceError):
+    """A request that contradicts what the database holds (HTTP 409)."""
+
+    status_code = 409
+
+
+class InvalidError(ServiceError):
+    """A request the schema accepts but the policy does not (HTTP 422).
+
+    Attributes:
+        loc: Where the problem is, as in pydantic's errors (e.g. ``("body", "batch_sizes")``).
+    """
+
+    status_code = 422
+
+    def __init__(self, message: str, loc: tuple[str, ...] = ("body",)) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def default_policy_factory(config: PolicyConfig) -> Policy:
+    """``joules.optimizers.batch_size.policy.make_policy`` (imported on first use)."""
+    from joules.optimizers.batch_size.policy import make_policy
+
+    return make_policy(config)
+
+
+def policy_config(spec: JobCreate) -> PolicyConfig:
+    """The policy configuration of a job."""
+    return PolicyConfig(
+        batch_sizes=tuple(spec.batch_sizes),
+        default_batch_size=spec.default_batch_size,
+        eta=spec.eta,
+        beta=spec.beta,
+        window_size=spec.window_size,
+        prior_mean=spec.prior_mean,
+        prior_precision=spec.prior_precision,
+        seed=spec.seed,
+        variant=spec.policy,
+    )
+
+
+def stop_bound(policy_stop_cost: float | None, trial_stop_cost: float | None) -> float | None:
+    """The cost above which a running trial stops (``None``: none).
+
+    The lower of the policy's current stop cost and the one the trial was given when it
+    started (the policy's only goes down as trials reach the target).
+    """
+    bounds = [b for b in (policy_stop_cost, trial_stop_cost) if b is not None and not math.isnan(b)]
+    return min(bounds) if bounds else None
+
+
+def reached(spec: JobCreate, metric: float) -> bool:
+    """Whether ``metric`` meets the job's target."""
+    return metric >= spec.target_metric if spec.higher_is_better else metric <= spec.target_metric
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _dumps(state: dict[str, Any]) -> str:
+    return json.dumps(state, separators=(",", ":"))
+
+
+def _canonical(spec: JobCreate) -> str:
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class ReportResult:
+    """The answer to an epoch report and what it changed.
+
+    Attributes:
+        answer: What the client is told.
+        repeated: The epoch had been reported before with the same values (nothing changed).
+        ended: The trial, when this report ended it.
+    """
+
+    answer: EpochAnswer
+    repeated: bool
+    ended: TrialOut | None = None
+
+
+class BatchSizeService:
+    """The server's logic (no HTTP): every method is one database transaction.
+
+    Args:
+        db: The database (already migrated).
+        policy_factory: Makes a job's policy from its configuration (default: the joules
+            policy, :func:`default_policy_factory`).
+    """
+
+    def __init__(self, db: Database, policy_factory: PolicyFactory | None = None) -> None:
+        self.db = db
+        self.policy_factory = policy_factory or default_policy_factory
+        self._policies: dict[str, Policy] = {}
+        self._policies_lock = threading.Lock()  # guards the cache only, never held across a transaction
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _policy(self, spec: JobCreate) -> Policy:
+        """The (pure, cached) policy object of a job spec."""
+        key = _canonical(spec)
+        policy = self._policies.get(key)
+        if policy is None:
+            try:
+                policy = self.policy_factory(policy_config(spec))
+            except (ValueError, TypeError) as e:
+                raise InvalidError(f"policy {spec.policy!r} rejects this job: {e}") from e
+            with self._policies_lock:
+                if len(self._policies) > 4096:
+                    self._policies.clear()
+                self._policies[key] = policy
+        return policy
+
+    @staticmethod
+    def _spec(job: Job) -> JobCreate:
+        return JobCreate.model_validate(job.spec)
+
+    @staticmethod
+    def _job_out(job: Job) -> JobOut:
+        return JobOut.model_validate({**job.spec, "job_id": job.id, "created_at": as_utc(job.created_at)})
+
+    @staticmethod
+    def trial_out(trial: Trial) -> TrialOut:
+        """The API view of a trial row."""
+        return TrialOut(
+            trial_id=trial.id, job_id=trial.job_id, batch_size=trial.batch_size, phase=trial.phase,  # type: ignore[arg-type]
+            stop_cost=_finite(trial.stop_cost), status=trial.status,  # type: ignore[arg-type]
+            outcome=trial.outcome, epochs=trial.epochs, time_s=trial.time_s,  # type: ignore[arg-type]
+            energy_j=trial.energy_j, cost=trial.cost, created_at=as_utc(trial.created_at),  # type: ignore[arg-type]
+            ended_at=as_utc(trial.ended_at),
+        )
+
+    @staticmethod
+    def _locked_job(session: Session, job_id: str) -> Job:
+        job = lock_job(session, job_id)
+        if job is None:
+            raise NotFoundError(f"job {job_id!r} not found")
+        return job
+
+    @staticmethod
+    def _locked_job_and_trial(session: Session, job_id: str, trial_id: str) -> tuple[Job, Trial]:
+        """The job, its row locked (its policy state loaded on first use), and its trial: one query."""
+        row = session.execute(
+            select(Job, Trial).join(Trial, Trial.job_id == Job.id)
+            .where(Job.id == job_id, Trial.id == trial_id)
+            .options(defer(Job.policy_state)).with_for_update(of=Job)
+        ).first()
+        if row is None:
+            if session.get(Job, job_id) is None:
+                raise NotFoundError(f"job {job_id!r} not found")
+            raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
+        return row[0], row[1]
+
+    @staticmethod
+    def _trial(session: Session, job_id: str, trial_id: str) -> Trial:
+        trial = session.get(Trial, trial_id)
+        if trial is None or trial.job_id != job_id:
+            raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
+        return trial
+
+    def _end(self, job: Job, spec: JobCreate, trial: Trial, outcome: TrialOutcome) -> None:
+        """End a running trial and let the policy learn from it (the job row is locked)."""
+        trial.status = "ended"
+        trial.outcome = outcome.value
+        trial.ended_at = utcnow()
+        policy = self._policy(spec)
+        state = policy.observe(json.loads(job.policy_state), TrialResult(
+            batch_size=trial.batch_size, outcome=outcome, cost=trial.cost, time_s=trial.time_s,
+            energy_j=trial.energy_j, epochs=trial.epochs))
+        self._save_state(job, policy, state)
+        job.updated_at = trial.ended_at
+
+    @staticmethod
+    def _save_state(job: Job, policy: Policy, state: dict[str, Any]) -> None:
+        """Write the policy's state, and its stop cost (kept so that reports need not load the state)."""
+        job.policy_state = _dumps(state)
+        job.stop_cost = _finite(policy.stop_cost(state))
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def register(self, spec: JobCreate) -> tuple[JobOut, bool]:
+        """Register a job, or find the one registered under its name.
+
+        Returns:
+            The job, and whether it was created now.
+
+        Raises:
+            ConflictError: The name is taken by a job with another spec.
+            InvalidError: The policy does not accept the spec.
+        """
+        policy = self._policy(spec)
+        canonical = _canonical(spec)
+        for attempt in range(3):
+            try:
+                with self.db.transaction() as s:
+                    job = s.execute(select(Job).where(Job.name == spec.name)).scalar_one_or_none()
+                    if job is not None:
+                        existing = self._spec(job)
+                        if _canonical(existing) != canonical:
+                            raise ConflictError(_spec_difference(spec.name, existing, spec))
+                        return self._job_out(job), False
+                    now = utcnow()
+                    job = Job(id=uuid.uuid4().hex, name=spec.name, spec=spec.model_dump(mode="json"),
+                              policy=spec.policy, trials_started=0, created_at=now, updated_at=now)
+                    self._save_state(job, policy, policy.initial_state())
+                    s.add(job)
+                    s.flush()
+                    return self._job_out(job), True
+            except IntegrityError:  # PostgreSQL: registered concurrently under the same name
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def job_state(self, job_id: str) -> JobState:
+        """A job, its policy's summary and its trial counts.
+
+        Raises:
+            NotFoundError: Unknown job.
+        """
+        with self.db.transaction(write=False) as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise NotFoundError(f"job {job_id!r} not found")
+            rows = s.execute(select(Trial.status, Trial.outcome, func.count())
+                             .where(Trial.job_id == job_id).group_by(Trial.status, Trial.outcome)).all()
+            state = json.loads(job.policy_state)
+            spec = self._spec(job)
+            job_out = self._job_out(job)
+        counts = {"running": 0, "ended": 0}
+        for status, outcome, n in rows:
+            counts[status] = counts.get(status, 0) + n
+            if outcome is not None:
+                counts[outcome] = counts.get(outcome, 0) + n
+        summary = self._policy(spec).summary(state)
+        posterior = {}
+        for bs, p in summary.posterior.items():
+            mean, std = _finite(p.get("mean")), _finite(p.get("std"))
+            if mean is None or std is None:
+                continue  # no finite estimate yet: left out
+            posterior[int(bs)] = PosteriorOut(mean=mean, std=std, n=int(p.get("n", 0)))
+        return JobState(
+            job=job_out, phase=summary.phase, explored={int(k): v for k, v in summary.explored.items()},
+            surviving=list(summary.surviving), posterior=posterior, best_batch_size=summary.best_batch_size,
+            best_cost=_finite(summary.best_cost), trials=counts,
+        )
+
+    def trials(self, job_id: str) -> list[TrialOut]:
+        """The job's trials, oldest first.
+
+        Raises:
+            NotFoundError: Unknown job.
+        """
+        with self.db.transaction(write=False) as s:
+            if s.get(Job, job_id) is None:
+                raise NotFoundError(f"job {job_id!r} not found")
+            rows = s.execute(select(Trial).where(Trial.job_id == job_id).order_by(Trial.seq)).scalars().all()
+            return [self.trial_out(t) for t in rows]
+
+    def trial(self, job_id: str, trial_id: str) -> TrialOut:
+        """One trial.
+
+        Raises:
+            NotFoundError: Unknown job or trial.
+        """
+        with self.db.transaction(write=False) as s:
+            return self.trial_out(self._trial(s, job_id, trial_id))
+
+    def start_trial(self, job_id: str, request: TrialCreate) -> tuple[TrialOut, bool]:
+        """Ask the policy for the batch size of a new trial.
+
+        Returns:
+            The trial, and whether it was created now (``False``: the trial that an earlier
+            request with the same ``request_id`` created).
+
+        Raises:
+            NotFoundError: Unknown job.
+        """
+        with self.db.transaction() as s:
+            job = self._locked_job(s, job_id)
+            if request.request_id is not None:
+                earlier = s.execute(select(Trial).where(
+                    Trial.job_id == job_id, Trial.request_id == request.request_id)).scalar_one_or_none()
+                if earlier is not None:
+                    return self.trial_out(earlier), False
+            spec = self._spec(job)
+            policy = self._policy(spec)
+            state, decision = policy.next_trial(json.loads(job.policy_state))
+            now = utcnow()
+            job.trials_started += 1
+            trial = Trial(id=uuid.uuid4().hex, job_id=job.id, seq=job.trials_started,
+                          batch_size=int(decision.batch_size), phase=decision.phase,
+                          stop_cost=_finite(decision.stop_cost), status="running", outcome=None, epochs=0,
+                          time_s=0.0, energy_j=0.0, cost=0.0, client=request.client,
+                          request_id=request.request_id, created_at=now)
+            s.add(trial)
+            self._save_state(job, policy, state)
+            job.updated_at = now
+            s.flush()
+            return self.trial_out(trial), True
+
+    def report(self, job_id: str, trial_id: str, report: EpochReport) -> ReportResult:
+        """Take one epoch's report and say whether the trial should stop.
+
+        Raises:
+            NotFoundError: Unknown job or trial.
+            ConflictError: The epoch was reported before with other values; the trial has
+                ended; or the epoch is not the next one.
+        """
+        with self.db.transaction() as s:
+            job, trial = self._locked_job_and_trial(s, job_id, trial_id)
+            if report.epoch <= trial.epochs:  # epochs 1..trial.epochs have their rows: a repeat
+                row = s.execute(select(EpochReportRow).where(
+                    EpochReportRow.trial_id == trial_id, EpochReportRow.epoch == report.epoch,
+                )).scalar_one()
+                if (row.time_s, row.energy_j, row.metric) != (report.time_s, report.energy_j, report.metric):
+                    raise ConflictError(
+                        f"epoch {report.epoch} of trial {trial_id!r} was already reported with other values "
+                        f"(time_s={row.time_s!r}, energy_j={row.energy_j!r}, metric={row.metric!r})")
+                return ReportResult(EpochAnswer(stop=row.stop, reason=row.reason, cost=row.cost,  # type: ignore[arg-type]
+                                                stop_cost=_finite(row.stop_cost)), repeated=True)
+            if trial.status != "running":
+                raise ConflictError(f"trial {trial_id!r} has ended ({trial.outcome}): "
+                                    f"epoch {report.epoch} cannot be reported")
+            if report.epoch != trial.epochs + 1:
+                raise ConflictError(f"epoch {report.epoch} of trial {trial_id!r} is out of order: "
+                                    f"the next epoch is {trial.epochs + 1}")
+            spec = self._spec(job)
+            trial.epochs = report.epoch
+            trial.time_s += report.time_s
+            trial.energy_j += report.energy_j
+            trial.cost = trial_cost(spec.eta, spec.max_power_w, trial.energy_j, trial.time_s)
+            bound = stop_bound(job.stop_cost, trial.stop_cost)
+            outcome: TrialOutcome | None = None
+            if reached(spec, report.metric):
+                outcome = TrialOutcome.REACHED
+            elif report.epoch >= spec.max_epochs:
+                outcome = TrialOutcome.MAX_EPOCHS
+            elif bound is not None and trial.cost + trial_cost(
+                    spec.eta, spec.max_power_w, report.energy_j, report.time_s) > bound:
+                outcome = TrialOutcome.EARLY_STOPPED
+            answer = EpochAnswer(stop=outcome is not None, reason=outcome.value if outcome else None,  # type: ignore[arg-type]
+                                 cost=trial.cost, stop_cost=_finite(bound))
+            s.add(EpochReportRow(trial_id=trial_id, epoch=report.epoch, time_s=report.time_s,
+                                 energy_j=report.energy_j, metric=report.metric, stop=answer.stop,
+                                 reason=answer.reason, cost=answer.cost, stop_cost=answer.stop_cost,
+                                 created_at=utcnow()))
+            ended = None
+            if outcome is not None:
+                self._end(job, spec, trial, outcome)
+                ended = self.trial_out(trial)
+            s.flush()
+            return ReportResult(answer, repeated=False, ended=ended)
+
+    def end_trial(self, job_id: str, trial_id: str, request: TrialEnd) -> tuple[TrialOut, bool]:
+        """End a trial (see the module's docstring for the outcome).
+
+        Returns:
+            The trial, and whether this call ended it.
+
+        Raises:
+            NotFoundError: Unknown job or trial.
+        """
+        with self.db.transaction() as s:
+            job, trial = self._locked_job_and_trial(s, job_id, trial_id)
+            if trial.status != "running":
+                return self.trial_out(trial), False
+            spec = self._spec(job)
+            if request.status == "aborted" or trial.epochs == 0:
+                outcome = TrialOutcome.ABORTED
+            else:
+                bound = stop_bound(job.stop_cost, trial.stop_cost)
+                over = bound is not None and trial.cost > bound
+                outcome = TrialOutcome.EARLY_STOPPED if over else TrialOutcome.MAX_EPOCHS
+            self._end(job, spec, trial, outcome)
+            s.flush()
+            return self.trial_out(trial), True
+
+
+def _spec_difference(name: str, old: JobCreate, new: JobCreate) -> str:
+    a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
+    fields = [k for k in a if a[k] != b.get(k) or json.dumps(a[k]) != json.dumps(b.get(k))]
+    return (f"job {name!r} is already registered with another spec (differs in: {', '.join(fields)}); "
+            "register under a new name")

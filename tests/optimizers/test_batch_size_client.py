@@ -1,0 +1,625 @@
+"""The batch-size optimizer client against a fake server (httpx.MockTransport), on simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+
+import joules
+from joules.devices.sim import Constant, Simulator
+from joules.errors import JoulesError
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.batch_size.client import BatchSizeOptimizer, ServerError
+from joules.optimizers.batch_size.types import trial_cost
+from joules.servers.batch_size.schemas import (
+    EpochAnswer,
+    EpochReport,
+    JobCreate,
+    JobOut,
+    TrialCreate,
+    TrialEnd,
+    TrialOut,
+)
+
+URL = "http://bso.test:7787"
+WORK_S = 0.2  # per step at batch size 1 unit of work
+CF = 0.8
+JOB = {
+    "name": "resnet/cifar10", "batch_sizes": [256, 32, 64, 128], "default_batch_size": 64,
+    "target_metric": 0.9, "max_epochs": 6, "max_power_w": 400.0, "eta": 0.5,
+}
+COUNTER_J = 0.1 * 400.0  # one update of an A100's energy counter at full power
+FAST_PL = {"handle_signals": False, "warmup_steps": 2, "profile_steps": 5}
+
+
+# -- a fake server ---------------------------------------------------------------------------
+class FakeServer:
+    """The endpoints of schemas.py, in memory; records requests; can fail on demand.
+
+    ``failures`` is consumed one per request: ``"connect"`` (connection error), ``"timeout"``
+    (read timeout before the server sees it), ``"lost"`` (the server handles it, the answer
+    is lost: a read timeout), an int status (answered without handling), or ``None`` (handled).
+    """
+
+    def __init__(self, token: str | None = None, choose: Callable[[dict], int] | None = None) -> None:
+        self.token = token
+        self.choose = choose or (lambda job: job["default_batch_size"])
+        self.jobs: dict[str, dict[str, Any]] = {}  # job_id -> JobOut json
+        self.trials: dict[str, dict[str, Any]] = {}
+        self.request_ids: dict[str, str] = {}
+        self.epochs: dict[str, dict[int, tuple[dict, dict]]] = {}
+        self.requests: list[httpx.Request] = []
+        self.failures: list[str | int | None] = []
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self)
+
+    def bodies(self, method: str, suffix: str) -> list[dict]:
+        return [json.loads(r.content) for r in self.requests
+                if r.method == method and r.url.path.endswith(suffix)]
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        action = self.failures.pop(0) if self.failures else None
+        if action == "connect":
+            raise httpx.ConnectError("connection refused", request=request)
+        if action == "timeout":
+            raise httpx.ReadTimeout("timed out", request=request)
+        if isinstance(action, int):
+            return httpx.Response(action, json={"detail": f"injected {action}"},
+                                  headers={"Retry-After": "0"} if action == 429 else {})
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return httpx.Response(401, json={"detail": "missing or wrong bearer token"})
+        response = self.handle(request)
+        if action == "lost":
+            raise httpx.ReadTimeout("answer lost", request=request)
+        return response
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        parts = request.url.path.strip("/").split("/")
+        body = json.loads(request.content) if request.content else None
+        now = datetime.now(UTC).isoformat()
+        if request.method == "POST" and parts == ["jobs"]:
+            spec = JobCreate.model_validate(body)
+            assert body == spec.model_dump(mode="json"), "the job is sent as the schema dumps it"
+            for job in self.jobs.values():
+                if job["name"] == spec.name:
+                    mine = {k: v for k, v in job.items() if k not in ("job_id", "created_at")}
+                    if mine != body:  # worded as the real server words it
+                        differ = ", ".join(k for k in mine if mine[k] != body[k])
+                        return httpx.Response(409, json={"detail": (
+                            f"job {spec.name!r} is already registered with another spec (differs in: "
+                            f"{differ}); register under a new name")})
+                    return httpx.Response(200, json=job)
+            job_id = f"j{len(self.jobs) + 1}"
+            out = JobOut(**spec.model_dump(), job_id=job_id, created_at=now)
+            self.jobs[job_id] = out.model_dump(mode="json")
+            return httpx.Response(201, json=self.jobs[job_id])
+        if request.method == "POST" and len(parts) == 3 and parts[2] == "trials":
+            create = TrialCreate.model_validate(body)
+            job = self.jobs[parts[1]]
+            if create.request_id in self.request_ids:  # a retry: the same trial again
+                return httpx.Response(200, json=self.trials[self.request_ids[create.request_id]])
+            trial_id = f"t{len(self.trials) + 1}"
+            if create.request_id is not None:
+                self.request_ids[create.request_id] = trial_id
+            self.trials[trial_id] = TrialOut(
+                trial_id=trial_id, job_id=parts[1], batch_size=self.choose(job), phase="explore",
+                stop_cost=None, status="running", created_at=now).model_dump(mode="json")
+            self.epochs[trial_id] = {}
+            return httpx.Response(201, json=self.trials[trial_id])
+        if request.method == "POST" and len(parts) == 5 and parts[4] == "epochs":
+            report = EpochReport.model_validate(body)
+            job, trial = self.jobs[parts[1]], self.trials[parts[3]]
+            seen = self.epochs[parts[3]]
+            if report.epoch in seen:
+                if seen[report.epoch][0] != body:
+                    return httpx.Response(409, json={"detail": f"epoch {report.epoch} reported differently"})
+                return httpx.Response(200, json=seen[report.epoch][1])
+            if trial["status"] == "ended":
+                return httpx.Response(409, json={"detail": "trial has ended"})
+            trial["epochs"] = report.epoch
+            trial["time_s"] += report.time_s
+            trial["energy_j"] += report.energy_j
+            trial["cost"] = trial_cost(job["eta"], job["max_power_w"], trial["energy_j"], trial["time_s"])
+            better = report.metric >= job["target_metric"] if job["higher_is_better"] else \
+                report.metric <= job["target_metric"]
+            reason = "reached" if better else "max_epochs" if report.epoch >= job["max_epochs"] else None
+            answer = EpochAnswer(stop=reason is not None, reason=reason, cost=trial["cost"])
+            answer = answer.model_dump(mode="json")
+            if reason is not None:  # the answer to stop ends the trial
+                trial.update(status="ended", outcome=reason, ended_at=now)
+            seen[report.epoch] = (body, answer)
+            return httpx.Response(200, json=answer)
+        if request.method == "POST" and len(parts) == 5 and parts[4] == "end":
+            end = TrialEnd.model_validate(body)
+            trial = self.trials[parts[3]]
+            if trial["status"] == "running":  # ending an ended trial changes nothing
+                aborted = end.status == "aborted" or trial["epochs"] == 0
+                trial.update(status="ended", outcome="aborted" if aborted else "max_epochs", ended_at=now)
+            return httpx.Response(200, json=trial)
+        return httpx.Response(404, json={"detail": f"no route {request.method} {request.url.path}"})
+
+
+# -- simulated training ----------------------------------------------------------------------
+def make_sim(spec: str = "A100", **gpu_kw: Any) -> tuple[Simulator, EnergyMonitor]:
+    sim = Simulator(spec)
+    for g in sim.gpus:
+        for k, v in gpu_kw.items():
+            setattr(g, k, v)
+    monitor = EnergyMonitor(devices=sim.devices())
+    sim.advance(30.0)  # idle while the job starts (the sampler learns the counters' phases)
+    sim.set_workload(Constant(1.0), cpus=False)
+    return sim, monitor
+
+
+def make_client(monitor: EnergyMonitor, server: FakeServer, job: dict | None = None, **kw: Any):
+    kw.setdefault("power_limit", FAST_PL)
+    kw.setdefault("backoff_s", 0.0)
+    bso = BatchSizeOptimizer(monitor, URL, job or JOB, transport=server.transport(), **kw)
+    sleeps: list[float] = []
+    bso._sleep = sleeps.append
+    return bso, sleeps
+
+
+def truth_now(sim: Simulator) -> tuple[float, float]:
+    return sim.clock.now(), sum(sim.true_gpu_energy_j().values())
+
+
+def train(bso: BatchSizeOptimizer, sim: Simulator, metrics: list[float], steps: int = 30,
+          eval_s: float = 5.0) -> list[tuple[float, float]]:
+    """Train until the client says stop; return the true (time, energy) of each epoch."""
+    bs = bso.get_batch_size()
+    bso.on_train_begin()
+    truths = []
+    t0, e0 = truth_now(sim)
+    for metric in metrics:
+        bso.on_epoch_begin()
+        for _ in range(steps):
+            bso.on_step_begin()
+            sim.run(WORK_S * bs / 64, CF)
+            bso.on_step_end()
+        bso.on_epoch_end()
+        sim.set_workload(Constant(0.3), cpus=False)  # evaluation: part of the epoch's cost
+        sim.advance(eval_s)
+        sim.set_workload(Constant(1.0), cpus=False)
+        t1, e1 = truth_now(sim)
+        truths.append((t1 - t0, e1 - e0))
+        t0, e0 = t1, e1
+        if bso.on_evaluate(metric):
+            break
+    bso.on_train_end()
+    return truths
+
+
+# -- tests -----------------------------------------------------------------------------------
+def test_exported_lazily_from_joules():
+    assert joules.BatchSizeOptimizer is BatchSizeOptimizer
+    assert "BatchSizeOptimizer" in joules.__all__
+
+
+def test_request_bodies_follow_the_schema_exactly():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, client_name="host-a:run-7")
+    assert bso.get_batch_size() == 64
+    assert bso.get_batch_size() == 64  # cached: one registration, one trial
+    train(bso, sim, [0.5, 0.95])
+
+    [job] = server.bodies("POST", "/jobs")
+    assert job == JobCreate.model_validate(JOB).model_dump(mode="json")
+    assert job["batch_sizes"] == [32, 64, 128, 256]
+    [create] = server.bodies("POST", "/trials")
+    assert create["client"] == "host-a:run-7" and len(create.pop("request_id")) == 32 and create == {
+        "client": "host-a:run-7"}
+    epochs = server.bodies("POST", "/epochs")
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert all(set(e) == {"epoch", "time_s", "energy_j", "metric"} for e in epochs)
+    assert [e["metric"] for e in epochs] == [0.5, 0.95]
+    assert server.bodies("POST", "/end") == [{"status": "completed"}]
+    assert [r.headers["content-type"] for r in server.requests] == ["application/json"] * 5
+    assert bso.trial is not None and bso.trial.outcome == "reached" and bso.trial.status == "ended"
+    assert bso.stop_reason == "reached" and bso.epoch == 2
+
+
+def test_epoch_time_and_energy_are_the_simulators_truth():
+    server = FakeServer()
+    sim, monitor = make_sim("A100x2")
+    bso, _ = make_client(monitor, server)
+    truths = train(bso, sim, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    reports = [EpochReport.model_validate(b) for b in server.bodies("POST", "/epochs")]
+    assert len(reports) == 6 == len(truths)  # max_epochs
+    assert bso.stop_reason == "max_epochs" and bso.trial is not None and bso.trial.outcome == "max_epochs"
+    for r, (t, e) in zip(reports, truths, strict=True):
+        assert r.time_s == pytest.approx(t, rel=1e-9, abs=1e-9)
+        # Each epoch's edges fall on a power step (training starts, evaluation ends), which
+        # the monitor interpolates across one counter update (0.1 s): within a quarter of an
+        # update at full power per GPU, i.e. 0.2% of the epoch here.
+        assert r.energy_j == pytest.approx(e, abs=2 * COUNTER_J / 4)
+    # The first epochs profiled power limits (their energy is in the trial's), later ones ran
+    # at the chosen limit.
+    plo = bso.power_limit_optimizer
+    assert plo is not None and plo.chosen_limit_w is not None and len(plo.points) >= 2
+    assert plo.workload == "resnet/cifar10/bs64" and repr(plo.selector) == "cost:0.5"
+    total_t, total_e = map(sum, zip(*truths, strict=True))
+    assert bso.trial.time_s == pytest.approx(total_t, rel=1e-9)
+    assert bso.trial.energy_j == pytest.approx(total_e, rel=2e-3)
+    assert [g.power_limit_w() for g in sim.gpus] == [400.0, 400.0]  # restored at the end
+
+
+def test_power_limit_profile_is_reused_by_the_next_trial_with_the_same_batch_size():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    first, _ = make_client(monitor, server)
+    train(first, sim, [0.5, 0.6, 0.95])
+    plo1 = first.power_limit_optimizer
+    assert plo1 is not None and not plo1.reused_profile and plo1.chosen_limit_w is not None
+
+    sim2, monitor2 = make_sim()  # the next recurrence, another process
+    second, _ = make_client(monitor2, server)
+    limits: list[float] = []
+    second.get_batch_size()
+    second.on_train_begin()
+    for _ in range(10):
+        second.on_step_begin()
+        limits.append(sim2.gpus[0].power_limit_w())
+        sim2.run(WORK_S, CF)
+        second.on_step_end()
+    second.on_evaluate(0.95)
+    second.on_train_end()
+    plo2 = second.power_limit_optimizer
+    assert plo2 is not None and plo2.reused_profile
+    assert plo2.chosen_limit_w == plo1.chosen_limit_w
+    assert set(limits) == {plo1.chosen_limit_w}  # no profiling: the chosen limit from the first step
+    assert len(server.jobs) == 1 and len(server.trials) == 2
+
+
+def test_a_different_batch_size_profiles_again():
+    sizes = iter([64, 128])
+    server = FakeServer(choose=lambda job: next(sizes))
+    sim, monitor = make_sim()
+    first, _ = make_client(monitor, server)
+    train(first, sim, [0.95])
+    second, _ = make_client(monitor, server)
+    train(second, sim, [0.5, 0.6, 0.95])
+    assert second.batch_size == 128
+    assert second.power_limit_optimizer is not None
+    assert not second.power_limit_optimizer.reused_profile
+    assert second.power_limit_optimizer.workload == "resnet/cifar10/bs128"
+
+
+def test_retries_a_connection_error_then_succeeds():
+    server = FakeServer()
+    server.failures = ["connect", None]
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, backoff_s=0.5)
+    assert bso.get_batch_size() == 64
+    assert len(server.requests) == 3 and len(server.jobs) == 1
+    assert len(sleeps) == 1 and 0.5 <= sleeps[0] <= 0.55
+
+
+def test_retries_503_twice_with_exponential_backoff():
+    server = FakeServer()
+    server.failures = [503, 503]
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, backoff_s=0.5)
+    assert bso.get_batch_size() == 64
+    assert [r.url.path for r in server.requests] == ["/jobs", "/jobs", "/jobs", "/jobs/j1/trials"]
+    assert len(sleeps) == 2
+    assert 0.5 <= sleeps[0] <= 0.55 and 1.0 <= sleeps[1] <= 1.1
+
+
+def test_429_is_retried_and_retry_after_is_honored():
+    server = FakeServer()
+    server.failures = [429]
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, backoff_s=0.0)
+    bso.get_batch_size()
+    assert len(sleeps) == 1 and len(server.jobs) == 1
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
+def test_other_4xx_are_never_retried(status: int):
+    server = FakeServer()
+    server.failures = [status]
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server)
+    expected = rf"^could not register the job: POST {URL}/jobs answered HTTP {status}"
+    with pytest.raises(ServerError, match=expected):
+        bso.get_batch_size()
+    assert len(server.requests) == 1 and sleeps == []
+
+
+def test_a_validation_error_lists_the_fields():
+    server = FakeServer()
+    original = server.handle
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/jobs":
+            return httpx.Response(422, json={"detail": [
+                {"type": "value_error", "loc": ["body", "batch_sizes"], "msg": "too many", "input": None},
+                {"type": "missing", "loc": ["body", "eta"], "msg": "Field required", "input": None}]})
+        return original(request)
+
+    server.handle = refuse  # type: ignore[method-assign]
+    _, monitor = make_sim()
+    with pytest.raises(ServerError, match="HTTP 422: body.batch_sizes: too many; body.eta: Field required$"):
+        make_client(monitor, server)[0].get_batch_size()
+
+
+def test_the_last_retry_error_names_the_url_and_the_failure():
+    server = FakeServer()
+    server.failures = [503] * 3
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, retries=2)
+    with pytest.raises(ServerError) as info:
+        bso.get_batch_size()
+    message = str(info.value)
+    assert f"POST {URL}/jobs" in message and "failed 3 time(s)" in message and "HTTP 503" in message
+    assert info.value.status_code == 503 and len(sleeps) == 2
+
+    server.failures = ["connect"] * 3
+    with pytest.raises(ServerError, match="ConnectError: connection refused") as info:
+        bso.get_batch_size()
+    assert info.value.status_code is None
+
+
+def test_a_lost_epoch_answer_is_retried_safely():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    sim.run(10.0, CF)
+    server.failures = ["lost"]  # the server records epoch 1, its answer never arrives
+    assert bso.on_evaluate(0.5) is False
+    epochs = server.bodies("POST", "/epochs")
+    assert len(epochs) == 2 and epochs[0] == epochs[1]  # the same report, answered the same
+    assert server.trials["t1"]["epochs"] == 1
+    assert server.trials["t1"]["time_s"] == pytest.approx(10.0 * (1 - CF) + 10.0 * CF, rel=0.5)
+    bso.on_train_end()
+
+
+def test_timeouts_are_configured_on_every_request():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, timeout_s=2.5)
+    bso.get_batch_size()
+    for r in server.requests:
+        assert r.extensions["timeout"] == {"connect": 2.5, "read": 2.5, "write": 2.5, "pool": 2.5}
+
+
+def test_a_server_that_never_answers_times_out():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # accept connections, read nothing, answer nothing
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        _, monitor = make_sim()
+        bso = BatchSizeOptimizer(monitor, f"http://127.0.0.1:{port}", JOB, timeout_s=0.2, retries=1,
+                                 backoff_s=0.0, power_limit=False)
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match=r"failed 2 time\(s\); last: timed out after 0.2 s"):
+            bso.get_batch_size()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        stop.set()
+        thread.join()
+        for s in held:
+            s.close()
+        listener.close()
+
+
+def test_an_unreachable_server_is_a_clear_error():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, monitor = make_sim()
+    bso = BatchSizeOptimizer(monitor, f"http://127.0.0.1:{port}/", JOB, retries=1, backoff_s=0.0,
+                             power_limit=False)
+    with pytest.raises(ServerError, match=rf"could not register the job: POST http://127.0.0.1:{port}/jobs "
+                                          r"failed 2 time\(s\); last: ConnectError"):
+        bso.get_batch_size()
+
+
+@pytest.mark.parametrize("url", ["bso.test:7787", "localhost", "ftp://bso.test", "http://", "http://h:notaport",
+                                 "http://h:1/?x=1"])
+def test_a_malformed_server_url_is_rejected_at_once(url: str):
+    _, monitor = make_sim()
+    with pytest.raises(JoulesError, match="server_url"):
+        BatchSizeOptimizer(monitor, url, JOB)
+
+
+def test_409_says_which_fields_differ():
+    server = FakeServer()
+    _, monitor = make_sim()
+    make_client(monitor, server)[0].get_batch_size()
+    changed = {**JOB, "target_metric": 0.95, "max_epochs": 10}
+    bso, sleeps = make_client(monitor, server, job=changed)
+    with pytest.raises(ServerError) as info:
+        bso.get_batch_size()
+    assert str(info.value) == (
+        f"could not register the job 'resnet/cifar10' at {URL}: job 'resnet/cifar10' is already registered "
+        "with another spec (differs in: target_metric, max_epochs); register under a new name (a job of that "
+        "name is registered with a different spec: use its spec, or another name)")
+    assert info.value.status_code == 409 and sleeps == []
+    # The same spec, written differently (batch sizes in another order), is the same job.
+    same = {**JOB, "batch_sizes": [32, 64, 128, 256]}
+    assert make_client(monitor, server, job=same)[0].get_batch_size() == 64
+    assert len(server.jobs) == 1
+
+
+def test_token_header_from_argument_or_environment(monkeypatch):
+    server = FakeServer(token="s3cret")
+    _, monitor = make_sim()
+    monkeypatch.delenv("JOULES_SERVER_TOKEN", raising=False)
+    bso, sleeps = make_client(monitor, server)
+    with pytest.raises(ServerError, match=r"HTTP 401 \(check the token: token=\.\.\. or \$JOULES_SERVER_TOK"):
+        bso.get_batch_size()
+    assert "authorization" not in server.requests[0].headers and sleeps == []
+
+    assert make_client(monitor, server, token="s3cret")[0].get_batch_size() == 64
+    monkeypatch.setenv("JOULES_SERVER_TOKEN", "s3cret")
+    assert make_client(monitor, server)[0].get_batch_size() == 64
+    assert all(r.headers["authorization"] == "Bearer s3cret" for r in server.requests[1:])
+
+
+def test_an_exception_in_training_aborts_the_trial_and_restores_limits():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server)
+    with pytest.raises(RuntimeError, match="out of memory"), bso:
+        bso.get_batch_size()
+        bso.on_train_begin()
+        for _ in range(3):
+            bso.on_step_begin()
+            sim.run(WORK_S, CF)
+            bso.on_step_end()
+        assert sim.gpus[0].power_limit_w() == 400.0  # the first candidate is the highest limit
+        raise RuntimeError("CUDA out of memory")
+    assert server.bodies("POST", "/end") == [{"status": "aborted"}]
+    assert server.trials["t1"]["outcome"] == "aborted"
+    assert monitor.open_windows == []
+
+
+def test_with_block_ends_the_trial_completed_and_a_new_trial_needs_get_batch_size():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    with bso:
+        bso.get_batch_size()
+        bso.on_step_begin()  # begins training implicitly
+        sim.run(WORK_S, CF)
+        bso.on_step_end()
+        bso.on_evaluate(0.95)
+    assert server.bodies("POST", "/end") == [{"status": "completed"}]
+    with pytest.raises(JoulesError, match=r"call get_batch_size\(\) first"):
+        bso.on_step_begin()
+    with pytest.raises(JoulesError, match=r"on_evaluate\(\) before on_train_begin"):
+        bso.on_evaluate(0.9)
+    assert bso.get_batch_size() == 64  # the next trial
+    assert len(server.trials) == 2 and len(server.jobs) == 1
+    assert bso.epoch == 0
+
+
+def test_abort_that_cannot_reach_the_server_does_not_hide_the_training_error(caplog):
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, retries=0, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    server.failures = ["connect"]
+    with caplog.at_level(logging.WARNING, "joules.batch_size"), pytest.raises(KeyError), bso:
+        raise KeyError("boom")
+    assert "could not mark the trial aborted" in caplog.text
+
+
+def test_power_limit_without_permission_warns_by_default_and_raises_when_asked(caplog):
+    server = FakeServer()
+    sim, monitor = make_sim(allow_control=False)
+    bso, _ = make_client(monitor, server, power_limit=True)
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        train(bso, sim, [0.95])
+    assert "power-limit optimizer is off" in caplog.text and bso.power_limit_optimizer is None
+    assert server.trials["t1"]["outcome"] == "reached"
+
+    bso, _ = make_client(monitor, server, power_limit={"handle_signals": False})
+    bso.get_batch_size()
+    with pytest.raises(joules.DevicePermissionError, match="SYS_ADMIN"):
+        bso.on_train_begin()
+    assert server.trials["t2"]["outcome"] == "aborted"
+    assert monitor.open_windows == []
+
+
+def test_power_limit_arguments_are_checked_and_a_monitor_without_gpus_only_warns(caplog):
+    _, monitor = make_sim()
+    with pytest.raises(ValueError, match=r"unknown PowerLimitOptimizer argument\(s\) \['warmup_step'\]"):
+        BatchSizeOptimizer(monitor, URL, JOB, power_limit={"warmup_step": 2})
+    server = FakeServer()
+    sim, cpu_only = make_sim("XEON8480")
+    bso, _ = make_client(cpu_only, server, power_limit=True)
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        train(bso, sim, [0.95])
+    assert "the monitor measures no GPU" in caplog.text
+    assert server.bodies("POST", "/epochs")[0]["energy_j"] == 0.0
+
+
+def test_power_limit_false_and_default_max_power():
+    server = FakeServer()
+    sim, monitor = make_sim("A100x2")
+    job = {k: v for k, v in JOB.items() if k != "max_power_w"}
+    bso, _ = make_client(monitor, server, job=job, power_limit=False)
+    assert bso.spec.max_power_w == 800.0  # two A100s at 400 W
+    train(bso, sim, [0.95])
+    assert bso.power_limit_optimizer is None
+
+
+def test_a_bad_job_spec_names_the_field():
+    _, monitor = make_sim()
+    with pytest.raises(ValueError, match="default_batch_size 48 is not one of batch_sizes"):
+        BatchSizeOptimizer(monitor, URL, {**JOB, "default_batch_size": 48})
+
+
+def test_on_evaluate_after_stop_says_stop_again_without_reporting(caplog):
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    sim.run(5.0, CF)
+    assert bso.on_evaluate(0.95) is True
+    sim.run(5.0, CF)
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        assert bso.on_evaluate(0.97) is True
+    assert "after the server said to stop (reached)" in caplog.text
+    assert len(server.bodies("POST", "/epochs")) == 1
+    bso.on_train_end()
+    assert bso.trial is not None and bso.trial.outcome == "reached"
+
+
+def test_training_that_ends_without_a_stop_answer_is_completed():
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    train(bso, sim, [0.1, 0.2])  # the loop ends before the target or max_epochs
+    assert server.bodies("POST", "/end") == [{"status": "completed"}]
+    assert bso.trial is not None and bso.trial.outcome == "max_epochs" and bso.stop_reason is None
+
+
+def test_a_trial_whose_answer_was_lost_is_not_created_twice():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server)
+    bso.get_batch_size()  # registered
+    bso.abort()
+    server.failures = ["lost"]  # the server creates the trial, its answer never arrives
+    bso.get_batch_size()
+    assert len(server.trials) == 2  # one aborted, one in use: the retry got the same trial back
+    creates = server.bodies("POST", "/trials")
+    assert len(creates) == 3 and creates[1]["request_id"] == creates[2]["request_id"]
+    assert creates[0]["request_id"] != creates[1]["request_id"]
+    assert bso.trial is not None and bso.trial.trial_id == "t2"
+
+

@@ -1,0 +1,77 @@
+"""``joules serve``: one-line errors on bad input, the default database, the token from the environment."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from joules.cli import main
+from joules.testing.bso_server import ServerProcess
+from joules.testing.processes import free_port
+
+
+def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``joules serve ARGS`` in this process (only for runs that fail before serving)."""
+    code = main(["serve", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--db", "mysql://u@localhost/db"], "unsupported database 'mysql'"),
+    (["--db", "sqlite://"], "in-memory SQLite"),
+    (["--db", "not a url://x"], "bad database URL"),
+    (["--db", "postgresql://postgres@127.0.0.1:{free}/test"], "cannot use database postgresql+psycopg://"),
+    (["--policy-factory", "nowhere_module:make"], "No module named 'nowhere_module'"),
+    (["--log-level", "loud"], "bad --log-level"),
+    (["--token", " "], "empty --token"),
+    (["--port", "0"], "--port"),
+])
+def test_bad_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a.replace("{free}", str(free_port())) for a in args]
+    if "--port" not in args:
+        args += ["--port", str(free_port())]
+    code, err = serve(capsys, *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_port_in_use_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, err = serve(capsys, "--db", str(tmp_path / "x.sqlite"), "--port", str(port))
+    assert code == 2 and err.startswith(f"joules: error: cannot listen on 127.0.0.1:{port}")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_without_the_server_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ImportError
+    code, err = serve(capsys)
+    assert code == 2
+    assert err.strip() == "joules: error: joules serve needs fastapi: pip install 'joules[server]'"
+
+
+def test_other_commands_do_not_import_the_server() -> None:
+    code = ("import sys; from joules.cli import main; main(['info', '--json', '--sim', 'A100']); "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'sqlalchemy', 'alembic', 'prometheus_client') "
+            "if m in sys.modules]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_default_database_and_token_from_environment(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = {"JOULES_STATE_DIR": str(state), "JOULES_SERVER_TOKEN": "env-token"}
+    with ServerProcess(None, tmp_path / "server.log", env=env) as server:  # no --db, no --token
+        assert (state / "batch-size.sqlite").is_file()
+        assert httpx.get(f"{server.url}/jobs/x").status_code == 401
+        right = httpx.get(f"{server.url}/jobs/x", headers={"Authorization": "Bearer env-token"})
+        assert right.status_code == 404

@@ -1,0 +1,98 @@
+"""The server's Alembic migrations: from an empty database, matching the models, safe to run at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+
+from joules.errors import JoulesError
+from joules.servers.batch_size import db as dbm
+
+TABLES = {"bso_jobs", "bso_trials", "bso_epoch_reports", dbm.VERSION_TABLE}
+
+
+def test_migrations_ship_inside_the_package() -> None:
+    import joules.servers.batch_size.migrations as package
+    import joules.servers.batch_size.migrations.versions as versions
+
+    assert Path(package.__file__).parent == dbm.MIGRATIONS_DIR
+    assert (dbm.MIGRATIONS_DIR / "env.py").is_file()
+    assert sorted(p.name for p in Path(versions.__file__).parent.glob("0*.py")) == ["0001_initial_schema.py"]
+    assert dbm.head_revision() == "0001"
+
+
+def test_upgrade_from_empty_matches_models_and_downgrades(bso_backend: str,
+                                                          bso_databases: Callable[[str], str]) -> None:
+    db = dbm.Database(bso_databases(bso_backend))
+    try:
+        assert dbm.current_revision(db) is None
+        dbm.upgrade(db)
+        assert dbm.current_revision(db) == dbm.head_revision()
+        assert TABLES <= set(inspect(db.engine).get_table_names())
+        with db.engine.connect() as conn:
+            opts = {"version_table": dbm.VERSION_TABLE, "compare_type": True}
+            ctx = MigrationContext.configure(conn, opts=opts)
+            assert compare_metadata(ctx, dbm.Base.metadata) == []
+        dbm.upgrade(db)  # again: nothing to do
+        dbm.downgrade(db, "base")
+        left = set(inspect(db.engine).get_table_names())
+        assert not ({"bso_jobs", "bso_trials", "bso_epoch_reports"} & left)
+        dbm.upgrade(db)
+        assert dbm.current_revision(db) == dbm.head_revision()
+    finally:
+        db.dispose()
+
+
+def test_concurrent_upgrades_are_safe(bso_backend: str, bso_databases: Callable[[str], str]) -> None:
+    """Server workers that start together all migrate; one does the work, the others find it done."""
+    url = bso_databases(bso_backend)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def migrate() -> None:
+        db = dbm.Database(url, pool_size=1)
+        try:
+            barrier.wait()
+            dbm.upgrade(db)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            db.dispose()
+
+    threads = [threading.Thread(target=migrate) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    db = dbm.Database(url)
+    assert dbm.current_revision(db) == dbm.head_revision()
+    db.dispose()
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("mysql://u@h/db", "unsupported database 'mysql'"),
+    ("sqlite://", "in-memory SQLite"),
+    ("sqlite:///:memory:", "in-memory SQLite"),
+    ("postgresql://u@h:5432", "names no database"),
+    ("postgresql+asyncpg://u@h/db", "unsupported PostgreSQL driver"),
+    ("::::", "bad database URL"),
+    ("", "empty database URL"),
+])
+def test_bad_urls(url: str, message: str) -> None:
+    with pytest.raises(JoulesError, match=message):
+        dbm.normalize_url(url)
+
+
+def test_url_normalization(tmp_path: Path) -> None:
+    assert dbm.normalize_url("postgres://u:pw@h/db").render_as_string(False) == "postgresql+psycopg://u:pw@h/db"
+    assert dbm.normalize_url("postgresql://u@h/db").drivername == "postgresql+psycopg"
+    path = tmp_path / "x.sqlite"
+    assert dbm.normalize_url(str(path)).database == str(path)
+    assert dbm.safe_url(dbm.normalize_url("postgresql://u:secret@h/db")) == "postgresql+psycopg://u:***@h/db"
