@@ -17,8 +17,8 @@ computed by joules from the traces (the same for every policy). The goal, per ro
 energy savings at least the original's, and joules' gap at most half the original's.
 
 ``--ablation`` adds rows for joules' policy with one part turned off (the cost-based end of
-an exploration direction; the per-epoch cost model shared across batch sizes), so each
-part's worth shows.
+an exploration direction; the end predicted by the rising trend of the estimates; the
+per-epoch cost model shared across batch sizes), so each part's worth shows.
 
 Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--ablation] [--json PATH]``
 (from the repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``;
@@ -57,6 +57,12 @@ class NoCostStop(JoulesPolicy):
     margin = float("inf")
 
 
+class NoTrend(JoulesPolicy):
+    """joules without the trend: a direction is not ended by the extrapolated cost of its next candidate."""
+
+    extrapolate = False
+
+
 class LogCostModel(JoulesPolicy):
     """joules without the per-epoch model: Thompson sampling on log costs with a shared variance."""
 
@@ -69,6 +75,7 @@ POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
 }
 ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules - cost stop": NoCostStop,
+    "joules - trend": NoTrend,
     "joules - per-epoch model": LogCostModel,
 }
 

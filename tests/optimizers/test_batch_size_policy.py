@@ -102,6 +102,28 @@ def test_joules_explores_once_and_stops_a_direction_at_a_costly_batch_size() -> 
     assert all(p == "exploit" and b in (16, 32, 64) for b, p in order[3:])
 
 
+def test_joules_ends_a_direction_before_a_candidate_the_rising_trend_predicts_costly() -> None:
+    # Downwards the cost rises on two steps (64: 10, 32: 10.8, 16: 11.9): the trend, linear in
+    # log batch size, predicts 11.9^2 / 10.8 = 13.1 for 8, above 1.2 x 10; 8 is never tried,
+    # though 16 itself is within the bound. Upwards the cost fell before rising (32 -> 64 ->
+    # 128): no trend, so 256 is tried (and fails).
+    costs = {8: 14.0, 16: 11.9, 32: 10.8, 64: 10.0, 128: 10.5, 256: None}
+
+    def order(policy: JoulesPolicy) -> list[int]:
+        state = policy.initial_state()
+        seen = []
+        for _ in range(7):
+            state, d = policy.next_trial(state)
+            seen.append(d.batch_size)
+            state = policy.observe(state, result(d.batch_size, costs))
+        return seen
+
+    assert order(JoulesPolicy(config("joules")))[:5] == [64, 32, 16, 128, 256]
+    assert 8 not in order(JoulesPolicy(config("joules")))
+    no_trend = type("NoTrend", (JoulesPolicy,), {"extrapolate": False})(config("joules"))
+    assert order(no_trend)[:6] == [64, 32, 16, 8, 128, 256]
+
+
 def noisy_job(bs: int, rng: np.random.Generator) -> TrialResult:
     """Cost per epoch falls with the batch size, epochs rise: 64 is the cheapest (17.6)."""
     per_epoch = {16: 4.0, 32: 2.5, 64: 1.6, 128: 1.0, 256: 0.7}[bs]

@@ -22,8 +22,10 @@ sampling then chooses among those that reached the target in the second round.
 ``joules`` runs one pass from the default, and a direction also stops after a batch size
 that reached the target at an estimated cost more than ``1 + margin`` times the best one's
 (it stays a candidate; the ones beyond it are not tried; the upward direction is not even
-started when the default itself is that costly). Thompson sampling then chooses among every
-batch size that reached the target.
+started when the default itself is that costly). A direction also ends before a candidate
+whose cost, extrapolated linearly in log batch size from the estimates of the two batch sizes
+before it, exceeds that bound, when the estimates rose on the last two steps towards it.
+Thompson sampling then chooses among every batch size that reached the target.
 
 **Early stopping** (both). A trial should stop once its running cost exceeds ``beta`` times
 the least cost of a trial that reached the target (:meth:`Policy.stop_cost`; ``None`` until
@@ -426,6 +428,9 @@ class JoulesPolicy(_BasePolicy):
     Attributes:
         margin: A direction of the pruning pass goes on past a batch size that reached the
             target only while its estimated cost is within ``1 + margin`` of the best one's.
+        extrapolate: A direction also ends before a candidate whose log cost, extrapolated
+            linearly in log batch size from the estimates of the two batch sizes before it,
+            exceeds the same bound; only where the estimates rose on the last two steps.
         per_epoch: Model the cost as cost per epoch x epochs, the epochs shared across batch
             sizes (``False``: model the log cost itself, with a shared run-to-run variance only).
         noise_prior: Prior run-to-run standard deviation of log epochs (or log cost) ...
@@ -440,6 +445,7 @@ class JoulesPolicy(_BasePolicy):
     noise_prior_weight = 2.0
     spread_prior = 0.1
     spread_prior_weight = 1.0
+    extrapolate = True
 
     def _initial(self) -> dict[str, Any]:
         return {"status": {}}  # batch size (str) -> ok/failed/pending; absent: not explored
@@ -512,6 +518,9 @@ class JoulesPolicy(_BasePolicy):
                     prev = order[i - 1] if i else None
                     if not (prev is None or status.get(str(prev)) != _OK or est[prev] <= bound):
                         break  # past a batch size that costs too much: the direction ends
+                    if (self.extrapolate and prev is not None and status.get(str(prev)) == _OK
+                            and self._predicted(prev, b, est, status) > bound):
+                        break  # the trend of the estimates predicts a costly batch size: it ends
                     if free is None:
                         free = b
                 elif s == _FAILED:
@@ -523,6 +532,27 @@ class JoulesPolicy(_BasePolicy):
                         ahead.add(c)
                 break
         return free, ahead
+
+    def _predicted(self, prev: int, b: int, est: dict[int, float], status: dict[str, str]) -> float:
+        """``b``'s log cost extrapolated from the trend of the two steps before it (``-inf``: none).
+
+        ``b`` lies beyond ``prev``; ``p1`` and ``p2`` are the next batch sizes behind ``prev``
+        (possibly on the other side of the default). The trend counts only where the estimates
+        rose on both steps, ``p2 -> p1 -> prev`` (one rise can be one unlucky trial's doing),
+        and is linear in log batch size through ``p1`` and ``prev``.
+        """
+        bs = self.batch_sizes
+        i = bs.index(prev)
+        back = -1 if b > prev else 1
+        if not 0 <= i + 2 * back < len(bs):
+            return -math.inf
+        p1, p2 = bs[i + back], bs[i + 2 * back]
+        if any(status.get(str(c)) != _OK or c not in est for c in (prev, p1, p2)):
+            return -math.inf
+        if not est[prev] > est[p1] > est[p2]:
+            return -math.inf
+        slope = (est[prev] - est[p1]) / (math.log(prev) - math.log(p1))
+        return est[prev] + slope * (math.log(b) - math.log(prev))
 
     def _free(self, state: PolicyState) -> int | None:
         return self._pass(state)[0]
