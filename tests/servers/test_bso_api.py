@@ -240,7 +240,7 @@ def test_bearer_token(bso_server: Served) -> None:
 def test_healthz_and_metrics(bso_server: Served) -> None:
     with bso_server.client() as c:
         health = c.get("/healthz").json()
-        assert health == {"status": "ok", "database": bso_server.backend, "revision": "0001"}
+        assert health == {"status": "ok", "database": bso_server.backend, "revision": "0002"}
         before = c.get("/metrics").text
         job = register(c, spec())
         trial = c.post(f"/jobs/{job}/trials").json()["trial_id"]

@@ -23,8 +23,9 @@ def test_migrations_ship_inside_the_package() -> None:
 
     assert Path(package.__file__).parent == dbm.MIGRATIONS_DIR
     assert (dbm.MIGRATIONS_DIR / "env.py").is_file()
-    assert sorted(p.name for p in Path(versions.__file__).parent.glob("0*.py")) == ["0001_initial_schema.py"]
-    assert dbm.head_revision() == "0001"
+    shipped = sorted(p.name for p in Path(versions.__file__).parent.glob("0*.py"))
+    assert shipped == ["0001_initial_schema.py", "0002_trial_last_activity.py"]
+    assert dbm.head_revision() == "0002"
 
 
 def test_upgrade_from_empty_matches_models_and_downgrades(bso_backend: str,

@@ -123,8 +123,9 @@ def run_demo(
             error = (gpu - truth) / truth if truth else 0.0
             host = sum(m.cpu_energy_j.values()) + sum(m.dram_energy_j.values())
             limits = list(seen)
-            shown = " → ".join(f"{x:g}" for x in limits) if len(limits) <= 3 else (
-                f"{limits[0]:g} … {limits[-1]:g}")
+            shown = " → ".join(f"{x:g}" for x in (limits if len(limits) <= 3 else limits[:2]))
+            if len(limits) > 3:
+                shown += f" → … → {limits[-1]:g}"
             rows.append({"epoch": epoch, "time_s": m.elapsed_s, "gpu_energy_j": gpu,
                          "true_gpu_energy_j": truth, "cpu_dram_energy_j": host, "limits_w": limits})
             table.add_row(str(epoch), shown or "-", f"{m.elapsed_s:,.1f}",

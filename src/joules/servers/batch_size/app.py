@@ -14,14 +14,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Path, Request, Response
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -71,6 +71,18 @@ UNAUTHORIZED = {401: _error("Missing or wrong bearer token.")}
 UNAVAILABLE = {503: _error("The database is unavailable; retry later.")}
 JOB_NOT_FOUND = {404: _error("Unknown job.")}
 TRIAL_NOT_FOUND = {404: _error("Unknown job or trial.")}
+
+MAX_TRIALS_PAGE = 1000  # most trials one GET /jobs/{job_id}/trials returns (its default limit)
+
+
+class TrialPage(BaseModel):
+    """The query of ``GET /jobs/{job_id}/trials`` (other parameters: 422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    offset: int = Field(0, ge=0, description="Skip this many of the oldest trials.")
+    limit: int = Field(MAX_TRIALS_PAGE, ge=1, le=MAX_TRIALS_PAGE, description="At most this many trials.")
+
 
 JobId = Path(min_length=1, max_length=64, description="The job's id (``job_id`` from ``POST /jobs``).")
 TrialId = Path(min_length=1, max_length=64,
@@ -188,6 +200,7 @@ def create_app(
         dbm.upgrade(database)
     service = BatchSizeService(database, policy_factory=policy_factory)
     metrics = Metrics()
+    service.on_expired = lambda n: metrics.trials_ended.labels("aborted").inc(n)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -266,9 +279,9 @@ def create_app(
 
     @app.get("/jobs/{job_id}/trials", response_model=list[TrialOut], dependencies=auth, tags=["trials"],
              responses={**JOB_NOT_FOUND, **UNAUTHORIZED, **UNAVAILABLE})
-    def list_trials(job_id: str = JobId) -> list[TrialOut]:
-        """The job's trials, oldest first."""
-        return service.trials(job_id)
+    def list_trials(page: Annotated[TrialPage, Query()], job_id: str = JobId) -> list[TrialOut]:
+        """The job's trials, oldest first (a page: ``offset``, ``limit``)."""
+        return service.trials(job_id, offset=page.offset, limit=page.limit)
 
     @app.post("/jobs/{job_id}/trials", response_model=TrialOut, status_code=201, dependencies=auth,
               tags=["trials"], responses={

@@ -4,7 +4,8 @@ Three tables (prefixed ``bso_`` so that they can share a database with other app
 
 - ``bso_jobs``: one row per recurring job: its spec (the :class:`JobCreate` it was registered
   with), the policy's state (JSON text) and a version number bumped on every change.
-- ``bso_trials``: one row per trial: batch size, phase, stop cost, status, outcome, totals.
+- ``bso_trials``: one row per trial: batch size, phase, stop cost, status, outcome, totals,
+  last activity (for expiry).
 - ``bso_epoch_reports``: one row per (trial, epoch) with the answer given, so a retried report
   gets the same answer without being counted twice.
 
@@ -53,6 +54,9 @@ VERSION_TABLE = "bso_alembic_version"
 # Key of the PostgreSQL advisory lock held while migrating (any fixed 64-bit number).
 _ADVISORY_LOCK_KEY = 0x6A6F756C6573  # "joules"
 SQLITE_BUSY_TIMEOUT_S = 60.0
+# Server default of bso_trials.last_activity_at (the service always sets it; migration 0002
+# fills existing rows from their reports).
+EPOCH_START = "'1970-01-01 00:00:00'"
 
 
 def utcnow() -> datetime:
@@ -122,6 +126,9 @@ class Trial(Base):
                                                    doc="The client's idempotency key.")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    last_activity_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=text(EPOCH_START),
+        doc="Creation or latest epoch report: a running trial idle for the job's stale_after_s is expired.")
 
     reports: Mapped[list[EpochReportRow]] = relationship(
         back_populates="trial", order_by="EpochReportRow.epoch", lazy="raise")

@@ -4,8 +4,10 @@ Endpoints (JSON; ``Authorization: Bearer TOKEN`` when the server has a token):
 
 - ``POST /jobs`` (:class:`JobCreate`) -> 201 :class:`JobOut`. Registering a name again with
   the same spec returns the existing job (200); with a different spec, 409.
-- ``GET /jobs/{job_id}`` -> :class:`JobState`; ``GET /jobs/{job_id}/trials`` -> list of
-  :class:`TrialOut`, oldest first.
+- ``GET /jobs/{job_id}`` -> :class:`JobState`; ``GET /jobs/{job_id}/trials?offset=0&limit=1000``
+  -> list of :class:`TrialOut`, oldest first (at most ``limit``, 1..1000, default 1000, after
+  skipping ``offset``). Running trials idle for the job's ``stale_after_s`` are ended as
+  ``aborted`` when the job is next read or asked for a trial, or gets an epoch report.
 - ``POST /jobs/{job_id}/trials`` (:class:`TrialCreate`, body optional) -> 201 :class:`TrialOut`:
   the batch size of a new trial; with a ``request_id`` already used for this job, that trial
   again (200). ``GET /jobs/{job_id}/trials/{trial_id}`` -> :class:`TrialOut`.
@@ -54,6 +56,10 @@ class JobCreate(_Model):
     prior_precision: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     policy: Literal["joules", "nsdi23"] = "joules"
+    stale_after_s: float = Field(
+        86400.0, ge=1.0, allow_inf_nan=False,
+        description="A running trial with no epoch report (nor creation) for this long, s, is ended as "
+                    "aborted, freeing its batch size for the policy.")
     knobs: dict[str, str | float | int | bool] = Field(
         default_factory=dict, max_length=64, description="Other settings of the job, kept for reference.")
 

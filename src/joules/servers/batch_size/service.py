@@ -23,6 +23,14 @@ target, as if ``max_epochs`` had been its last epoch. A trial with no epoch repo
 ``aborted`` either way: there is nothing to learn from it. ``aborted`` ends a running trial
 as ``aborted``; the policy sees every ending (:class:`TrialResult`). Ending a trial that has
 already ended changes nothing and returns it.
+
+Expiry: a client that dies without ending its trial would leave it ``running`` forever, and
+the policy would keep its batch size in flight. A running trial whose last activity (its
+creation, or its latest epoch report) is more than the job's ``stale_after_s`` ago is ended
+as ``aborted``, exactly as an explicit abort ends it (the policy observes ``aborted``). This
+happens in the job-locked transaction of the next request that starts a trial, reports an
+epoch, or reads the job's state, before anything else; a later report to the expired trial
+gets 409 (the trial has ended).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -159,11 +168,20 @@ class BatchSizeService:
         db: The database (already migrated).
         policy_factory: Makes a job's policy from its configuration (default: the joules
             policy, :func:`default_policy_factory`).
+        clock: Now, as an aware UTC datetime (default :func:`~joules.servers.batch_size.db.utcnow`;
+            tests may inject another).
+
+    Attributes:
+        on_expired: Called (outside any transaction) with the number of trials just ended by
+            expiry, when there were any (the app counts them in its metrics).
     """
 
-    def __init__(self, db: Database, policy_factory: PolicyFactory | None = None) -> None:
+    def __init__(self, db: Database, policy_factory: PolicyFactory | None = None,
+                 clock: Callable[[], datetime] | None = None) -> None:
         self.db = db
         self.policy_factory = policy_factory or default_policy_factory
+        self.clock = clock or utcnow
+        self.on_expired: Callable[[int], None] | None = None
         self._policies: dict[str, Policy] = {}
         self._policies_lock = threading.Lock()  # guards the cache only, never held across a transaction
 
@@ -235,13 +253,40 @@ class BatchSizeService:
         """End a running trial and let the policy learn from it (the job row is locked)."""
         trial.status = "ended"
         trial.outcome = outcome.value
-        trial.ended_at = utcnow()
+        trial.ended_at = self.clock()
         policy = self._policy(spec)
         state = policy.observe(json.loads(job.policy_state), TrialResult(
             batch_size=trial.batch_size, outcome=outcome, cost=trial.cost, time_s=trial.time_s,
             energy_j=trial.energy_j, epochs=trial.epochs))
         self._save_state(job, policy, state)
         job.updated_at = trial.ended_at
+
+    def _expire_stale(self, session: Session, job: Job, spec: JobCreate) -> int:
+        """End as ``aborted`` the job's running trials idle for over ``stale_after_s`` (job row locked).
+
+        Returns:
+            How many trials were ended.
+        """
+        cutoff = self.clock() - timedelta(seconds=spec.stale_after_s)
+        running = session.execute(select(Trial).where(Trial.job_id == job.id, Trial.status == "running")
+                                  .order_by(Trial.seq)).scalars().all()
+        stale = [t for t in running if (as_utc(t.last_activity_at) or as_utc(t.created_at)) < cutoff]  # type: ignore[operator]
+        for trial in stale:
+            self._end(job, spec, trial, TrialOutcome.ABORTED)
+        if stale:
+            session.flush()
+        return len(stale)
+
+    def _expired(self, n: int) -> None:
+        if n and self.on_expired is not None:
+            self.on_expired(n)
+
+    def _has_stale(self, session: Session, job: Job, spec: JobCreate) -> bool:
+        """Whether the job has a running trial to expire (a read: no lock needed)."""
+        cutoff = self.clock() - timedelta(seconds=spec.stale_after_s)
+        times = session.execute(select(Trial.last_activity_at, Trial.created_at).where(
+            Trial.job_id == job.id, Trial.status == "running")).all()
+        return any((as_utc(a) or as_utc(c)) < cutoff for a, c in times)  # type: ignore[operator]
 
     @staticmethod
     def _save_state(job: Job, policy: Policy, state: dict[str, Any]) -> None:
@@ -272,7 +317,7 @@ class BatchSizeService:
                         if _canonical(existing) != canonical:
                             raise ConflictError(_spec_difference(spec.name, existing, spec))
                         return self._job_out(job), False
-                    now = utcnow()
+                    now = self.clock()
                     job = Job(id=uuid.uuid4().hex, name=spec.name, spec=spec.model_dump(mode="json"),
                               policy=spec.policy, trials_started=0, created_at=now, updated_at=now)
                     self._save_state(job, policy, policy.initial_state())
@@ -287,9 +332,21 @@ class BatchSizeService:
     def job_state(self, job_id: str) -> JobState:
         """A job, its policy's summary and its trial counts.
 
+        Stale running trials are expired first (see the module's docstring).
+
         Raises:
             NotFoundError: Unknown job.
         """
+        with self.db.transaction(write=False) as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise NotFoundError(f"job {job_id!r} not found")
+            stale = self._has_stale(s, job, self._spec(job))
+        if stale:  # only then take the job's lock, to expire them
+            with self.db.transaction() as s:
+                job = self._locked_job(s, job_id)
+                n = self._expire_stale(s, job, self._spec(job))
+            self._expired(n)
         with self.db.transaction(write=False) as s:
             job = s.get(Job, job_id)
             if job is None:
@@ -317,8 +374,13 @@ class BatchSizeService:
             best_cost=_finite(summary.best_cost), trials=counts,
         )
 
-    def trials(self, job_id: str) -> list[TrialOut]:
+    def trials(self, job_id: str, offset: int = 0, limit: int | None = None) -> list[TrialOut]:
         """The job's trials, oldest first.
+
+        Args:
+            job_id: The job.
+            offset: How many of the oldest trials to skip.
+            limit: At most this many trials (``None``: all the rest).
 
         Raises:
             NotFoundError: Unknown job.
@@ -326,7 +388,10 @@ class BatchSizeService:
         with self.db.transaction(write=False) as s:
             if s.get(Job, job_id) is None:
                 raise NotFoundError(f"job {job_id!r} not found")
-            rows = s.execute(select(Trial).where(Trial.job_id == job_id).order_by(Trial.seq)).scalars().all()
+            query = select(Trial).where(Trial.job_id == job_id).order_by(Trial.seq).offset(offset)
+            if limit is not None:
+                query = query.limit(limit)
+            rows = s.execute(query).scalars().all()
             return [self.trial_out(t) for t in rows]
 
     def trial(self, job_id: str, trial_id: str) -> TrialOut:
@@ -356,20 +421,23 @@ class BatchSizeService:
                 if earlier is not None:
                     return self.trial_out(earlier), False
             spec = self._spec(job)
+            expired = self._expire_stale(s, job, spec)
             policy = self._policy(spec)
             state, decision = policy.next_trial(json.loads(job.policy_state))
-            now = utcnow()
+            now = self.clock()
             job.trials_started += 1
             trial = Trial(id=uuid.uuid4().hex, job_id=job.id, seq=job.trials_started,
                           batch_size=int(decision.batch_size), phase=decision.phase,
                           stop_cost=_finite(decision.stop_cost), status="running", outcome=None, epochs=0,
                           time_s=0.0, energy_j=0.0, cost=0.0, client=request.client,
-                          request_id=request.request_id, created_at=now)
+                          request_id=request.request_id, created_at=now, last_activity_at=now)
             s.add(trial)
             self._save_state(job, policy, state)
             job.updated_at = now
             s.flush()
-            return self.trial_out(trial), True
+            out = self.trial_out(trial)
+        self._expired(expired)
+        return out, True
 
     def report(self, job_id: str, trial_id: str, report: EpochReport) -> ReportResult:
         """Take one epoch's report and say whether the trial should stop.
@@ -391,13 +459,19 @@ class BatchSizeService:
                         f"(time_s={row.time_s!r}, energy_j={row.energy_j!r}, metric={row.metric!r})")
                 return ReportResult(EpochAnswer(stop=row.stop, reason=row.reason, cost=row.cost,  # type: ignore[arg-type]
                                                 stop_cost=_finite(row.stop_cost)), repeated=True)
+            spec = self._spec(job)
+            expired = self._expire_stale(s, job, spec) if trial.status == "running" else 0
             if trial.status != "running":
+                if expired:  # the expiry is kept: end the transaction, then answer 409
+                    s.commit()
+                    self._expired(expired)
                 raise ConflictError(f"trial {trial_id!r} has ended ({trial.outcome}): "
                                     f"epoch {report.epoch} cannot be reported")
             if report.epoch != trial.epochs + 1:
                 raise ConflictError(f"epoch {report.epoch} of trial {trial_id!r} is out of order: "
                                     f"the next epoch is {trial.epochs + 1}")
-            spec = self._spec(job)
+            now = self.clock()
+            trial.last_activity_at = now
             trial.epochs = report.epoch
             trial.time_s += report.time_s
             trial.energy_j += report.energy_j
@@ -416,13 +490,14 @@ class BatchSizeService:
             s.add(EpochReportRow(trial_id=trial_id, epoch=report.epoch, time_s=report.time_s,
                                  energy_j=report.energy_j, metric=report.metric, stop=answer.stop,
                                  reason=answer.reason, cost=answer.cost, stop_cost=answer.stop_cost,
-                                 created_at=utcnow()))
+                                 created_at=now))
             ended = None
             if outcome is not None:
                 self._end(job, spec, trial, outcome)
                 ended = self.trial_out(trial)
             s.flush()
-            return ReportResult(answer, repeated=False, ended=ended)
+        self._expired(expired)
+        return ReportResult(answer, repeated=False, ended=ended)
 
     def end_trial(self, job_id: str, trial_id: str, request: TrialEnd) -> tuple[TrialOut, bool]:
         """End a trial (see the module's docstring for the outcome).
