@@ -24,17 +24,20 @@ from joules.errors import (
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
 from joules.monitoring.monitor import EnergyMonitor, WindowHandle
 from joules.monitoring.sampler import PowerSampler
-from joules.optimizers.power_limit import PowerLimitOptimizer
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # Imported on first use: the batch-size client needs httpx, which ``import joules`` does not.
+    # The optimizers are imported on first use: measuring needs neither them nor httpx.
     if name == "BatchSizeOptimizer":
         from joules.optimizers.batch_size.client import BatchSizeOptimizer
 
         return BatchSizeOptimizer
+    if name == "PowerLimitOptimizer":
+        from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
+
+        return PowerLimitOptimizer
     raise AttributeError(f"module 'joules' has no attribute {name!r}")
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,6 @@ class _Accumulator:
     segments: int = 0
     warm: int = 0
     segment_steps: int = 0
-    history: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 def _torch_dist() -> Any:
@@ -178,10 +177,9 @@ class PowerLimitOptimizer:
         self.store = store if isinstance(store, ProfileStore) else ProfileStore(store)
         self._distributed = distributed
         self.dry_run = dry_run
-        if dry_run:
-            self.guard = None
-        else:
-            self.guard = guard or RestoreGuard(self.gpus, handle_signals=handle_signals)
+        if guard is None and not dry_run:
+            guard = RestoreGuard(self.gpus, handle_signals=handle_signals)
+        self.guard = None if dry_run else guard
 
         self.state = State.READY
         self.selector: Selector | None = None
@@ -230,9 +228,8 @@ class PowerLimitOptimizer:
             if self.state is State.DONE and self.chosen_limit_w is not None:
                 self._apply(self.chosen_limit_w)
             elif self._acc is not None:
-                self._acc.warm = 0
                 self._apply(self._acc.limit_w)
-                self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+                self.pause()  # warm up again before measuring the rest of this limit
             return
         if self.state is not State.READY:
             return
@@ -346,7 +343,6 @@ class PowerLimitOptimizer:
         acc.time_s += m.elapsed_s
         acc.energy_j += energy
         acc.segments += 1
-        acc.history.append((acc.segment_steps, m.elapsed_s, energy))
 
     def _complete(self) -> None:
         acc = self._acc
