@@ -18,7 +18,8 @@ energy savings at least the original's, and joules' gap at most half the origina
 
 ``--ablation`` adds rows for joules' policy with one part turned off (the cost-based end of
 an exploration direction; the end predicted by the rising trend of the estimates; the
-per-epoch cost model shared across batch sizes), so each part's worth shows.
+per-epoch cost model shared across batch sizes; the temperature of Thompson sampling), so
+each part's worth shows.
 
 Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--ablation] [--json PATH]``
 (from the repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``;
@@ -69,6 +70,12 @@ class LogCostModel(JoulesPolicy):
     per_epoch = False
 
 
+class NoTemperature(JoulesPolicy):
+    """joules with plain Thompson sampling: each mean is drawn with its whole posterior variance."""
+
+    temperature = 1.0
+
+
 POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules": make_policy,
     "nsdi23": lambda c: make_policy(PolicyConfig(**{**c.__dict__, "variant": "nsdi23"})),
@@ -77,6 +84,7 @@ ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules - cost stop": NoCostStop,
     "joules - trend": NoTrend,
     "joules - per-epoch model": LogCostModel,
+    "joules - temperature": NoTemperature,
 }
 
 

@@ -149,6 +149,31 @@ def test_thompson_sampling_converges_to_the_cheapest_batch_size(variant: str) ->
     assert abs(s.posterior[64]["mean"] - 17.6) < 1.0
 
 
+def close_job(bs: int, rng: np.random.Generator) -> TrialResult:
+    """Two batch sizes 4 % apart per epoch, with noisy epochs (4 or 5): 64 is the cheaper."""
+    epochs = 5 if rng.random() < 0.3 else 4
+    return TrialResult(bs, R, {64: 1.0, 128: 1.04}[bs] * epochs, epochs=epochs)
+
+
+def test_joules_temperature_below_one_explores_less_among_close_batch_sizes() -> None:
+    def worse_picks(temperature: float) -> int:
+        cls = type("Tempered", (JoulesPolicy,), {"temperature": temperature})
+        picks = 0
+        for seed in range(10):
+            policy = cls(PolicyConfig((64, 128), 64, seed=seed))
+            state = policy.initial_state()
+            rng = np.random.default_rng(seed)
+            for _ in range(60):
+                state, d = policy.next_trial(state)
+                picks += d.phase == "exploit" and d.batch_size == 128
+                state = policy.observe(state, close_job(d.batch_size, rng))
+        return picks
+
+    assert JoulesPolicy.temperature == 0.5
+    plain, tempered = worse_picks(1.0), worse_picks(0.5)
+    assert tempered < 0.8 * plain, (tempered, plain)
+
+
 @pytest.mark.parametrize("variant", ["nsdi23", "joules"])
 def test_same_seed_same_decisions_and_state_json_round_trip_mid_run(variant: str) -> None:
     policy = make_policy(PolicyConfig((16, 32, 64, 128, 256), 128, seed=11, variant=variant))
