@@ -1,6 +1,6 @@
 """The ``joules`` command line.
 
-Commands: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``, ``serve``.
+Commands: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``, ``serve``, ``pipeline``.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def parse_indices(value: str | None, what: str) -> list[int] | None:
 
 
 def _register() -> None:
-    from joules.cli import demo, info, measure, power, restore, serve, simulate
+    from joules.cli import demo, info, measure, pipeline, power, restore, serve, simulate
 
-    for module in (info, measure, power, demo, simulate, restore, serve):
+    for module in (info, measure, power, demo, simulate, restore, serve, pipeline):
         module.register(app)
 
 

@@ -1,0 +1,161 @@
+"""Pipeline frontier: joules' solver vs lowtime 0.3.0 (Perseus) on the same profiles.
+
+For each case (GPU-like frequency curve, stages x microbatches, time unit), a synthetic
+profile is written to a CSV file (:func:`joules.optimizers.pipeline.profile.synthetic_profile`,
+forward ``--forward-ms`` at the highest clock, backward twice that, stages up to 15 % apart,
+clocks from 900 MHz up in 15 MHz steps), and both solvers plan a 1F1B iteration from it:
+
+- **joules**: :func:`joules.optimizers.pipeline.solver.solve` (``method="auto"``, which is
+  ``"fast"`` on all these sizes), in this process;
+- **lowtime**: ``benchmarks/_lowtime_frontier.py`` in ``.bench-venv`` (``pip install
+  lowtime==0.3.0``), set up as lowtime's own Perseus example.
+
+Both solve times cover reading the options and solving (lowtime's excludes recording its
+per-iteration frequencies). Every plan lowtime yields is evaluated with its real profiled
+times and energies (iteration time = longest path; energy = computations + blocking power x
+idle GPU time), the same evaluation joules' plans get. At each lowtime plan's iteration time
+T, joules' energy is that of its least-energy plan no slower than T. Reported: solve times and
+speed-up, how many of lowtime's points joules beats / ties / loses and by how much, and the
+energy saved at the fastest iteration time against running everything at the highest clock.
+
+Goal: joules at least 10x faster on every case, with energy no higher at any point.
+
+Run: ``python benchmarks/pipeline_frontier.py [--quick] [--json PATH]`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from joules.optimizers.pipeline.frontier import evaluate
+from joules.optimizers.pipeline.profile import blocking_power_w, synthetic_profile
+from joules.optimizers.pipeline.schedule import Computation, build_dag
+from joules.optimizers.pipeline.solver import solve
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
+RUNNER = ROOT / "benchmarks" / "_lowtime_frontier.py"
+
+FULL = [
+    ("a100", 4, 8, 0.001), ("a100", 4, 8, 0.005),
+    ("h100", 4, 8, 0.001), ("h100", 4, 8, 0.005),
+    ("v100", 4, 8, 0.001), ("v100", 4, 8, 0.005),
+    ("a40", 4, 8, 0.001), ("a40", 4, 8, 0.005),
+    ("a100", 8, 16, 0.001), ("a100", 8, 16, 0.005),
+    ("h100", 8, 16, 0.005),
+    ("a100", 4, 32, 0.001), ("a100", 4, 32, 0.005),
+    ("v100", 4, 32, 0.005),
+    ("h100", 8, 32, 0.005),
+]
+QUICK = [("a100", 4, 8, 0.005), ("h100", 4, 8, 0.005), ("a100", 4, 32, 0.005)]
+
+
+@dataclass
+class Row:
+    curve: str
+    stages: int
+    microbatches: int
+    unit_ms: float
+    joules_s: float
+    lowtime_s: float
+    speedup: float
+    points: int
+    better: int
+    equal: int
+    worse: int
+    worst_pct: float
+    mean_pct: float
+    joules_points: int
+    saved_joules_pct: float
+    saved_lowtime_pct: float
+    lowtime_min_time_s: float
+    joules_min_time_s: float
+
+
+def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, seed: int, tmp: Path) -> Row:
+    profile = synthetic_profile(stages, curve, forward_time_s=forward_ms / 1000, seed=seed)
+    path = tmp / f"{curve}-{stages}x{mbs}.csv"
+    profile.to_csv(path)
+    pb = blocking_power_w(curve)
+    dag = build_dag("1f1b", stages, mbs)
+    t0 = time.perf_counter()
+    frontier = solve(dag, profile, pb, unit)
+    joules_s = time.perf_counter() - t0
+    out = subprocess.run(
+        [str(PEER_PYTHON), str(RUNNER), str(path), str(stages), str(mbs), str(unit), str(pb)],
+        capture_output=True, text=True, check=True,
+    )
+    lt = json.loads(out.stdout)
+    plans = []
+    for raw in lt["plans"]:
+        freqs = [0] * len(dag.nodes)
+        for s, insts in raw.items():
+            for kind, mb, f in insts:
+                freqs[dag.index(Computation(int(s), mb, kind))] = f
+        plans.append(evaluate(dag, profile, freqs, pb))
+    diffs = [(frontier.energy_at(p.time_s) - p.energy_j) / p.energy_j * 100 for p in plans]
+    tol = 1e-7
+    fastest_lt = min(plans, key=lambda p: (p.time_s, p.energy_j))
+    top = frontier.max_frequency
+    return Row(
+        curve=curve, stages=stages, microbatches=mbs, unit_ms=unit * 1000,
+        joules_s=joules_s, lowtime_s=lt["solve_time_s"], speedup=lt["solve_time_s"] / joules_s,
+        points=len(plans),
+        better=sum(d < -tol for d in diffs), equal=sum(abs(d) <= tol for d in diffs),
+        worse=sum(d > tol for d in diffs), worst_pct=max(diffs), mean_pct=sum(diffs) / len(diffs),
+        joules_points=len(frontier.plans),
+        saved_joules_pct=(1 - frontier.fastest.energy_j / top.energy_j) * 100,
+        saved_lowtime_pct=(1 - fastest_lt.energy_j / top.energy_j) * 100,
+        lowtime_min_time_s=fastest_lt.time_s, joules_min_time_s=frontier.min_time_s,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="three small cases")
+    parser.add_argument("--forward-ms", type=float, default=100.0, help="forward time at the highest clock")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if not PEER_PYTHON.exists():
+        sys.exit(f"{PEER_PYTHON} not found: python3 -m venv .bench-venv && "
+                 ".bench-venv/bin/pip install lowtime==0.3.0")
+    console = Console()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for curve, s, m, unit in QUICK if args.quick else FULL:
+            console.print(f"[dim]{curve} {s}x{m} @ {unit * 1000:g} ms ...[/dim]")
+            rows.append(run_case(curve, s, m, unit, args.forward_ms, args.seed, Path(tmp)))
+    table = Table(title="1F1B time-energy frontier: joules vs lowtime 0.3.0")
+    for col in ("GPU curve", "S x M", "unit", "lowtime s", "joules s", "speed-up", "lowtime points",
+                "joules lower / equal / higher", "max diff", "mean diff",
+                "saved at fastest joules", "saved at fastest lowtime"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r.curve, f"{r.stages}x{r.microbatches}", f"{r.unit_ms:g} ms", f"{r.lowtime_s:.2f}",
+            f"{r.joules_s:.3f}", f"{r.speedup:.0f}x", str(r.points), f"{r.better} / {r.equal} / {r.worse}",
+            f"{r.worst_pct:+.3f} %", f"{r.mean_pct:+.3f} %", f"{r.saved_joules_pct:.1f} %",
+            f"{r.saved_lowtime_pct:.1f} %",
+        )
+    console.print(table)
+    ok = all(r.speedup >= 10 and r.worse == 0 for r in rows)
+    met = sum(r.speedup >= 10 and r.worse == 0 for r in rows)
+    console.print(f"goal (>= 10x faster, energy never higher) met on {met}"
+                  f" of {len(rows)} cases" + ("" if ok else " [bold red](not all)[/bold red]"))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""Run one pipeline stage's part of a frequency plan: lock the SM clock per computation.
+
+A training framework tells the controller of each rank when each of its computations begins
+and ends; the controller locks that rank's GPU to the computation's planned SM clock::
+
+    frontier = Frontier.load("plans/")
+    with FrequencyController.from_frontier(frontier, stage=rank, gpu=gpu) as ctl:
+        for batch in loader:
+            for kind, microbatch in schedule:          # this rank's schedule
+                ctl.on_instruction_begin(kind, microbatch)
+                run(kind, microbatch)
+                ctl.on_instruction_end(kind, microbatch)
+
+Instructions are looked up by ``(computation, microbatch)``, so a framework that calls them
+in another order than the plan's still gets each computation's own frequency (the
+out-of-order calls are counted; ``strict=True`` makes them an error). A computation the plan
+does not have (e.g. a microbatch beyond the plan's count) is always an error: the plan was
+made for another pipeline.
+
+Every lock goes through a :class:`~joules.devices.restore.RestoreGuard`, which resets the
+clock when the job ends (:meth:`FrequencyController.restore`, leaving the ``with`` block, an
+exception, interpreter exit, SIGINT/SIGTERM), and journals it first so that after a SIGKILL
+the next guard or ``joules restore`` resets it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from joules.devices.base import GPU
+from joules.devices.restore import RestoreGuard
+from joules.errors import DevicePermissionError
+from joules.optimizers.pipeline.frontier import PlanError
+from joules.optimizers.pipeline.schedule import KINDS, Kind
+
+if TYPE_CHECKING:
+    from joules.optimizers.pipeline.frontier import Frontier, Plan
+
+log = logging.getLogger("joules.pipeline")
+
+_PERMISSION_FIX = (
+    "locking GPU clocks needs root or the SYS_ADMIN capability (e.g. run the job with sudo, or in a "
+    "container started with --cap-add SYS_ADMIN); pass dry_run=True to only check the plan"
+)
+_ALIASES: dict[str, Kind] = {
+    "forward": "forward", "fwd": "forward", "f": "forward",
+    "backward": "backward", "bwd": "backward", "b": "backward",
+}
+
+
+class PlanMismatchError(PlanError):
+    """The framework ran a computation the plan does not have (or, when strict, out of order)."""
+
+
+def normalize_kind(computation: str) -> Kind:
+    """``"forward"`` or ``"backward"`` from a computation name (``forward``, ``fwd``, ``F``, ...).
+
+    Raises:
+        PlanMismatchError: Not a forward or backward name.
+    """
+    kind = _ALIASES.get(str(computation).strip().lower())
+    if kind is None:
+        raise PlanMismatchError(
+            f"unknown computation {computation!r}; expected one of {', '.join(KINDS)} (or fwd/bwd, F/B)"
+        )
+    return kind
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One computation of a stage and the SM frequency to run it at.
+
+    Attributes:
+        computation: ``"forward"`` or ``"backward"``.
+        microbatch: Microbatch number.
+        frequency: Planned SM clock, MHz.
+    """
+
+    computation: Kind
+    microbatch: int
+    frequency: int
+
+    @property
+    def key(self) -> tuple[Kind, int]:
+        """``(computation, microbatch)``: what identifies the instruction within an iteration."""
+        return (self.computation, self.microbatch)
+
+    def to_dict(self) -> dict[str, object]:
+        """The dict form, as :meth:`Frontier.rank_plan` gives it."""
+        return {"computation": self.computation, "microbatch": self.microbatch, "frequency": self.frequency}
+
+
+def parse_instructions(instructions: Sequence[Mapping[str, object] | Instruction]) -> tuple[Instruction, ...]:
+    """Check and convert a stage's instructions (dicts with computation, microbatch, frequency).
+
+    Raises:
+        PlanError: Empty list, a missing or bad field, or a computation listed twice.
+    """
+    parsed: list[Instruction] = []
+    seen: set[tuple[Kind, int]] = set()
+    for i, raw in enumerate(instructions):
+        if isinstance(raw, Instruction):
+            ins = raw
+        else:
+            try:
+                kind = normalize_kind(str(raw["computation"]))
+                mb, freq = raw["microbatch"], raw["frequency"]
+                if isinstance(mb, bool) or not isinstance(mb, int | float | str):
+                    raise TypeError(f"microbatch {mb!r}")
+                if isinstance(freq, bool) or not isinstance(freq, int | float | str):
+                    raise TypeError(f"frequency {freq!r}")
+                ins = Instruction(kind, int(mb), int(float(freq)))
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"instruction {i} ({raw!r}) is malformed: {type(e).__name__}: {e}") from None
+        if ins.microbatch < 0 or ins.frequency <= 0:
+            raise PlanError(f"instruction {i} ({ins}) needs a microbatch >= 0 and a positive frequency")
+        if ins.key in seen:
+            raise PlanError(f"instruction {i}: {ins.computation} {ins.microbatch} is listed twice")
+        seen.add(ins.key)
+        parsed.append(ins)
+    if not parsed:
+        raise PlanError("a stage's plan has no instructions")
+    return tuple(parsed)
+
+
+def snap_frequency(frequency: float, supported_mhz: Sequence[float]) -> float:
+    """The supported clock nearest ``frequency`` (the higher one on a tie; clamped to the range)."""
+    clocks = sorted(supported_mhz)
+    if not clocks:
+        raise ValueError("the GPU reports no supported SM clocks")
+    i = bisect.bisect_left(clocks, frequency)
+    if i == 0:
+        return clocks[0]
+    if i == len(clocks):
+        return clocks[-1]
+    lo, hi = clocks[i - 1], clocks[i]
+    return lo if frequency - lo < hi - frequency else hi
+
+
+@dataclass
+class ControllerStats:
+    """What a :class:`FrequencyController` has done.
+
+    Attributes:
+        instructions: Instructions begun.
+        locks_applied: Clock locks made (or, in a dry run, that would have been made).
+        locks_skipped: Instructions whose frequency was already locked.
+        out_of_order: Instructions begun or ended out of the plan's order (tolerated unless strict).
+        iterations: Times the plan's last instruction ended.
+        plan_switches: Calls of :meth:`FrequencyController.set_plan`.
+        restores: Times the clock was reset through the guard.
+    """
+
+    instructions: int = 0
+    locks_applied: int = 0
+    locks_skipped: int = 0
+    out_of_order: int = 0
+    iterations: int = 0
+    plan_switches: int = 0
+    restores: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """JSON-friendly form."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class LockRecord:
+    """One clock lock the controller made (or, in a dry run, would have made)."""
+
+    computation: Kind
+    microbatch: int
+    frequency_mhz: float
+    applied: bool
+
+
+class FrequencyController:
+    """Locks one GPU's SM clock to each computation's planned frequency as the stage runs.
+
+    Args:
+        gpu: The GPU this rank (stage) runs on.
+        instructions: The stage's plan in execution order: dicts with ``computation``
+            (``"forward"``/``"backward"``), ``microbatch`` and ``frequency`` (MHz), as
+            :meth:`Frontier.rank_plan <joules.optimizers.pipeline.frontier.Frontier.rank_plan>`
+            returns them (or :class:`Instruction` objects).
+        guard: The :class:`RestoreGuard` every lock goes through (default: a new one over
+            ``gpu``). :meth:`restore` restores the guard, i.e. every GPU it changed.
+        dry_run: Never touch the GPU: record in :attr:`records` the locks that would be made.
+        strict: Raise :class:`PlanMismatchError` when computations begin or end out of the
+            plan's order (by default they are looked up by ``(computation, microbatch)``, and
+            counted in :attr:`stats`).
+        journal_dir: Journal directory of the default guard (default: the guard's default).
+        handle_signals: Whether the default guard restores on SIGINT and SIGTERM too.
+        recover_stale: Whether the default guard first resets what killed jobs left locked.
+        keep_records: Keep at most this many :attr:`records` (the oldest are dropped).
+
+    Raises:
+        PlanError: ``instructions`` is empty or malformed.
+    """
+
+    def __init__(
+        self,
+        gpu: GPU,
+        instructions: Sequence[Mapping[str, object] | Instruction],
+        *,
+        guard: RestoreGuard | None = None,
+        dry_run: bool = False,
+        strict: bool = False,
+        journal_dir: str | Path | None = None,
+        handle_signals: bool = True,
+        recover_stale: bool = True,
+        keep_records: int = 10_000,
+    ) -> None:
+        self.gpu = gpu
+        self.dry_run = dry_run
+        self.strict = strict
+        self.stats = ControllerStats()
+        self.records: list[LockRecord] = []
+        self._keep_records = max(0, keep_records)
+        self._supported = sorted(float(f) for f in gpu.supported_sm_clocks_mhz())
+        if not self._supported:
+            raise ValueError(f"GPU {gpu.index} ({gpu.name}) reports no supported SM clocks to lock")
+        self._plan: tuple[Instruction, ...] = ()
+        self._by_key: dict[tuple[Kind, int], int] = {}
+        self._snapped: dict[int, float] = {}
+        self._next = 0
+        self._running: tuple[Kind, int] | None = None
+        self._locked_mhz: float | None = None
+        self._load(instructions)
+        if guard is None and not dry_run:
+            guard = RestoreGuard([gpu], journal_dir=journal_dir, handle_signals=handle_signals,
+                                 recover_stale=recover_stale)
+        self.guard: RestoreGuard | None = None if dry_run else guard
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_frontier(
+        cls,
+        frontier: Frontier,
+        stage: int,
+        gpu: GPU,
+        time_s: float | None = None,
+        *,
+        plan: Plan | None = None,
+        **kwargs: object,
+    ) -> FrequencyController:
+        """A controller for stage ``stage`` running a plan of ``frontier``.
+
+        Args:
+            frontier: The frontier.
+            stage: This rank's stage.
+            gpu: This rank's GPU.
+            time_s: Run :meth:`Frontier.plan_for_time` of this iteration time (default: the
+                fastest plan).
+            plan: Run this plan instead.
+            **kwargs: Passed on to the constructor (``guard``, ``dry_run``, ...).
+        """
+        if plan is None:
+            plan = frontier.fastest if time_s is None else frontier.plan_for_time(time_s)
+        return cls(gpu, frontier.rank_plan(plan, stage), **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_file(cls, path: str | Path, gpu: GPU, **kwargs: object) -> FrequencyController:
+        """A controller from a ``rank{stage}.json`` file :meth:`Frontier.save` writes (or a JSON list).
+
+        Raises:
+            PlanError: Missing or malformed file.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as e:
+            raise PlanError(f"cannot read the stage plan {path}: {e}") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not JSON ({e})") from None
+        instructions = data.get("instructions") if isinstance(data, dict) else data
+        if not isinstance(instructions, list):
+            raise PlanError(f"{path}: expected a list of instructions or an object with 'instructions'")
+        return cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def instructions(self) -> tuple[Instruction, ...]:
+        """The current plan, in execution order."""
+        return self._plan
+
+    @property
+    def locked_mhz(self) -> float | None:
+        """The clock this controller has locked (would have, in a dry run), or ``None``."""
+        return self._locked_mhz
+
+    def frequency_of(self, computation: str, microbatch: int) -> float:
+        """The supported clock (MHz) the plan runs ``computation`` of ``microbatch`` at.
+
+        Raises:
+            PlanMismatchError: The plan has no such computation.
+        """
+        return self._snapped[self._lookup(normalize_kind(computation), microbatch)]
+
+    # -- plan -------------------------------------------------------------------------------
+    def set_plan(self, instructions: Sequence[Mapping[str, object] | Instruction]) -> None:
+        """Switch to another plan (e.g. a slower one while a straggler holds the pipeline back).
+
+        It takes effect at the next :meth:`on_instruction_begin`; the position in the
+        iteration is kept (the next instruction is the one after the last one begun).
+
+        Raises:
+            PlanError: ``instructions`` is empty or malformed; the old plan stays.
+        """
+        last = self._plan[self._next - 1].key if self._plan and self._next > 0 else None
+        self._load(instructions)
+        self.stats.plan_switches += 1
+        if last is not None and last in self._by_key:
+            self._next = self._by_key[last] + 1
+        else:
+            self._next = 0
+
+    def _load(self, instructions: Sequence[Mapping[str, object] | Instruction]) -> None:
+        plan = parse_instructions(instructions)
+        self._plan = plan
+        self._by_key = {ins.key: i for i, ins in enumerate(plan)}
+        self._snapped = {i: snap_frequency(ins.frequency, self._supported) for i, ins in enumerate(plan)}
+        self._next = 0
+
+    def _lookup(self, kind: Kind, microbatch: int) -> int:
+        try:
+            return self._by_key[(kind, int(microbatch))]
+        except KeyError:
+            mbs = sorted({ins.microbatch for ins in self._plan})
+            raise PlanMismatchError(
+                f"GPU {self.gpu.index}: the plan has no {kind} of microbatch {microbatch} (it has "
+                f"{len(self._plan)} instructions for microbatches {mbs[0]}..{mbs[-1]}); was it made for "
+                "this stage, schedule and microbatch count?"
+            ) from None
+
+    # -- callbacks --------------------------------------------------------------------------
+    def on_instruction_begin(self, computation: str, microbatch: int) -> float:
+        """Lock the SM clock to the planned frequency of ``computation`` of ``microbatch``.
+
+        The lock is skipped when that clock is already locked.
+
+        Returns:
+            The clock locked (MHz).
+
+        Raises:
+            PlanMismatchError: The plan has no such computation (or, when strict, it is not
+                the next one in the plan's order).
+            DevicePermissionError: The clock cannot be locked; the GPU is unchanged.
+        """
+        kind = normalize_kind(computation)
+        i = self._lookup(kind, microbatch)
+        expected = self._next % len(self._plan)
+        if i != expected:
+            if self.strict:
+                want = self._plan[expected]
+                raise PlanMismatchError(
+                    f"GPU {self.gpu.index}: {kind} {microbatch} began, but the plan's next computation "
+                    f"is {want.computation} {want.microbatch} (instruction {expected})"
+                )
+            self.stats.out_of_order += 1
+            log.debug("GPU %d: %s %d out of the plan's order", self.gpu.index, kind, microbatch)
+        self._next = i + 1
+        self._running = (kind, int(microbatch))
+        self.stats.instructions += 1
+        mhz = self._snapped[i]
+        if mhz == self._locked_mhz:
+            self.stats.locks_skipped += 1
+            return mhz
+        self._lock(kind, int(microbatch), mhz)
+        return mhz
+
+    def on_instruction_end(self, computation: str, microbatch: int) -> None:
+        """Note that ``computation`` of ``microbatch`` ended (the clock stays until the next begins).
+
+        Raises:
+            PlanMismatchError: The plan has no such computation (or, when strict, it is not
+                the one that began last).
+        """
+        key = (normalize_kind(computation), int(microbatch))
+        i = self._lookup(*key)
+        if key != self._running:
+            if self.strict:
+                running = "nothing" if self._running is None else f"{self._running[0]} {self._running[1]}"
+                raise PlanMismatchError(
+                    f"GPU {self.gpu.index}: {key[0]} {key[1]} ended, but {running} was running"
+                )
+            self.stats.out_of_order += 1
+        self._running = None
+        if i == len(self._plan) - 1:
+            self.stats.iterations += 1
+
+    def _lock(self, kind: Kind, microbatch: int, mhz: float) -> None:
+        if self.dry_run:
+            log.debug("dry run: would lock GPU %d's SM clock to %g MHz", self.gpu.index, mhz)
+            self._record(LockRecord(kind, microbatch, mhz, applied=False))
+        else:
+            assert self.guard is not None
+            try:
+                self.guard.lock_sm_clock(self.gpu, mhz, mhz)
+            except DevicePermissionError as e:
+                raise DevicePermissionError(
+                    f"cannot lock the SM clock of GPU {self.gpu.index} ({self.gpu.name}): {e}. "
+                    f"{_PERMISSION_FIX}. The clock was not changed."
+                ) from None
+            self._record(LockRecord(kind, microbatch, mhz, applied=True))
+        self._locked_mhz = mhz
+        self.stats.locks_applied += 1
+
+    def _record(self, record: LockRecord) -> None:
+        if self._keep_records == 0:
+            return
+        self.records.append(record)
+        if len(self.records) > self._keep_records:
+            del self.records[: len(self.records) - self._keep_records]
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self) -> list[str]:
+        """Reset the clock through the guard (every GPU the guard changed); idempotent.
+
+        The controller can go on afterwards: the next instruction locks again.
+
+        Returns:
+            The guard's error lines (empty when everything was restored, and in a dry run).
+        """
+        self._locked_mhz = None
+        if self.guard is None:
+            return []
+        had = bool(self.guard.changed)
+        errors = self.guard.restore()
+        if had:
+            self.stats.restores += 1
+        return errors
+
+    def close(self) -> list[str]:
+        """Same as :meth:`restore`."""
+        return self.restore()
+
+    def __enter__(self) -> FrequencyController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def summary(self) -> dict[str, object]:
+        """Stats and the current lock, JSON-friendly."""
+        return {"gpu": self.gpu.index, "dry_run": self.dry_run, "locked_mhz": self._locked_mhz,
+                "instructions": len(self._plan), **self.stats.to_dict()}
+
+
+__all__ = [
+    "ControllerStats", "FrequencyController", "Instruction", "LockRecord", "PlanMismatchError",
+    "normalize_kind", "parse_instructions", "snap_frequency",
+]

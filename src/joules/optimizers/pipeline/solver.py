@@ -1,0 +1,922 @@
+"""The time-energy frontier of one pipeline iteration.
+
+For every iteration time ``T`` (in whole time units) from the fastest achievable to the
+slowest useful one, find a frequency for every computation that minimizes the iteration's
+energy while no dependency chain takes longer than ``T``. With blocking power ``p``, a GPU
+that is not computing is blocked, so the energy of a plan is::
+
+    sum(energy of each computation) + p * (stages * T - sum(time of each computation))
+
+and minimizing it at a given ``T`` means minimizing the sum of *effective* energies
+``energy - p * time`` (:func:`~joules.optimizers.pipeline.profile.pareto_front`). This is the
+discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
+
+``"exact"``
+    Branch and bound over every computation's options (topological order, times rounded
+    down to whole units; a partial plan is dropped when a plan found is at least as fast as
+    its fastest completion and no costlier than its cheapest). Exact on the rounded
+    problem; exponential in the worst case, so for small pipelines.
+
+``"fast"``
+    1. The convex relaxation, in microseconds: each computation's options are replaced by
+       the lower convex hull of (time, effective energy), neighbouring segments with nearly
+       equal slopes or a short span merged. It is walked from the slowest plan to the
+       fastest by shortening every critical path at least cost per unit, a minimum cut over
+       the critical computations (Phillips-Dessouky; a computation crossed backwards is
+       lengthened), each cut applied for as many units as it stays optimal (:class:`_Walker`
+       keeps the flow between cuts).
+    2. For every iteration time from the fastest to the slowest useful one, every half unit,
+       the relaxed plan that fits is rounded down to real options (so the time still holds)
+       and improved greedily: while a computation has float for a slower, cheaper option,
+       the move saving the most is taken. All iteration times at once, with NumPy.
+    3. The frontier is the lower envelope of these plans, evaluated with real times.
+
+``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
+``"fast"`` otherwise. Plans are reported with their real (unrounded) times and energies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from joules.optimizers.pipeline.frontier import Frontier, Plan, option_table, plan_of
+from joules.optimizers.pipeline.profile import Option, PipelineProfile, pareto_front
+from joules.optimizers.pipeline.schedule import PipelineDAG
+
+try:  # SciPy's compiled maximum flow is much faster than the pure-Python fallback
+    import scipy.sparse as _sp
+    import scipy.sparse.csgraph as _cs
+
+    _csgraph: tuple[object, object] | None = (_sp, _cs)
+except ImportError:  # pragma: no cover - exercised where SciPy is absent
+    _csgraph = None
+
+METHODS = ("auto", "fast", "exact")
+EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
+PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
+SPAN_UNITS = 5  # hull segments shorter than this many units are merged
+FINE_UNIT_S = 1e-6  # the fast method's internal time unit
+HULL_TOLERANCE = 0.1  # neighbouring hull segments whose slopes differ by less than 10 % are merged
+_INF = 1 << 62
+
+
+@dataclass
+class Problem:
+    """The quantized problem: per node, Pareto options as integer durations and effective energies.
+
+    Attributes:
+        dag: The pipeline.
+        unit_time_s: Time unit, s.
+        blocking_power_w: Blocking power, W.
+        options: Per node, the real options kept, fastest first.
+        durations: Per node, each kept option's duration in units (strictly increasing).
+        costs: Per node, each kept option's effective energy in J (strictly decreasing).
+    """
+
+    dag: PipelineDAG
+    unit_time_s: float
+    blocking_power_w: float
+    options: list[list[Option]]
+    durations: list[list[int]]
+    costs: list[list[float]]
+    preds: list[list[int]] = field(default_factory=list)
+    succs: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float,
+              unit_time_s: float) -> Problem:
+        """Quantize ``profile``'s options for ``dag``.
+
+        Options are first reduced to the time / effective-energy Pareto front, then times are
+        rounded to whole units, and of options sharing a rounded time the cheapest is kept.
+        """
+        if not unit_time_s > 0:
+            raise ValueError(f"unit time must be positive (got {unit_time_s})")
+        if blocking_power_w < 0:
+            raise ValueError(f"blocking power must be >= 0 W (got {blocking_power_w})")
+        table = option_table(dag, profile)
+        cache: dict[tuple[int, str], tuple[list[Option], list[int], list[float]]] = {}
+        options, durations, costs = [], [], []
+        for node, c in enumerate(dag.nodes):
+            key = (c.stage, c.kind)
+            if key not in cache:
+                kept: list[Option] = []
+                ds: list[int] = []
+                cs: list[float] = []
+                for o in pareto_front(table[node].values(), blocking_power_w):
+                    d = math.floor(o.time_s / unit_time_s + 1e-9)
+                    eff = o.energy_j - blocking_power_w * o.time_s
+                    if ds and d == ds[-1]:
+                        continue  # same unit: keep the faster, whose time the unit describes best
+                    if cs and eff >= cs[-1]:
+                        continue
+                    kept.append(o)
+                    ds.append(d)
+                    cs.append(eff)
+                cache[key] = (kept, ds, cs)
+            kept, ds, cs = cache[key]
+            options.append(kept)
+            durations.append(ds)
+            costs.append(cs)
+        return cls(dag, unit_time_s, blocking_power_w, options, durations, costs,
+                   dag.predecessors(), dag.successors())
+
+    def combinations(self) -> float:
+        """Number of option combinations (as a float; it can be astronomically large)."""
+        return math.prod(float(len(d)) for d in self.durations)
+
+    def makespan(self, choice: Sequence[int]) -> int:
+        """Longest path in units when node ``n`` runs option ``choice[n]``."""
+        end = [0] * len(choice)
+        for v, k in enumerate(choice):
+            end[v] = max((end[u] for u in self.preds[v]), default=0) + self.durations[v][k]
+        return max(end, default=0)
+
+    def cost(self, choice: Sequence[int]) -> float:
+        """Sum of effective energies, J."""
+        return sum(self.costs[n][k] for n, k in enumerate(choice))
+
+    def plan(self, choice: Sequence[int]) -> Plan:
+        """The real plan of ``choice``."""
+        return plan_of(self.dag, [self.options[n][k] for n, k in enumerate(choice)], self.blocking_power_w)
+
+
+# -- convex relaxation (Phillips-Dessouky on the lower convex hulls) ------------------------------
+
+def _hull(ds: list[int], cs: list[float]) -> tuple[list[int], list[float]]:
+    """Vertices of the lower convex hull of the staircase points (durations ascending)."""
+    hx: list[int] = []
+    hy: list[float] = []
+    for x, y in zip(ds, cs, strict=True):
+        while len(hx) >= 2 and (hy[-1] - hy[-2]) * (x - hx[-1]) >= (y - hy[-1]) * (hx[-1] - hx[-2]):
+            hx.pop()
+            hy.pop()
+        hx.append(x)
+        hy.append(y)
+    return hx, hy
+
+
+def _simplify(xs: list[int], ys: list[float], tol: float, span: int = 0) -> tuple[list[int], list[float]]:
+    """Fewer hull vertices: merge neighbouring segments whose slopes differ by at most ``tol`` (relative).
+
+    The merged chord lies on or above the hull, so the result is still convex; marginal costs
+    change by at most ``tol``, which is what the minimum cuts compare.
+    """
+    kx, ky = [xs[0]], [ys[0]]
+    i = 0
+    while i < len(xs) - 1:
+        j = i + 1
+        first = (ys[i] - ys[i + 1]) / (xs[i + 1] - xs[i])
+        while j + 1 < len(xs):
+            nxt = (ys[j] - ys[j + 1]) / (xs[j + 1] - xs[j])
+            if first - nxt > tol * first and xs[j + 1] - xs[i] > span:
+                break
+            j += 1
+        kx.append(xs[j])
+        ky.append(ys[j])
+        i = j
+    return kx, ky
+
+
+class _Hull:
+    """A computation's convex relaxation: the lower convex hull of its (duration, effective energy)."""
+
+    __slots__ = ("xs", "ys", "slopes")
+
+    def __init__(self, ds: list[int], cs: list[float], tolerance: float = 0.0, span: int = 0) -> None:
+        xs, ys = _hull(ds, cs)
+        if (tolerance > 0 or span > 0) and len(xs) > 2:
+            xs, ys = _simplify(xs, ys, tolerance, span)
+        self.xs, self.ys = xs, ys
+        # Saving per unit of lengthening on each segment (non-increasing: the hull is convex).
+        self.slopes = [(ys[i] - ys[i + 1]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
+
+    def _segment(self, d: int) -> int:
+        """Index of the segment [xs[i], xs[i+1]) holding ``d``."""
+        return max(0, bisect.bisect_right(self.xs, d) - 1)
+
+    def slope_down(self, d: int) -> float:
+        """Cost (J per unit) of shortening below ``d``; infinite at the fastest."""
+        if d <= self.xs[0]:
+            return math.inf
+        return self.slopes[bisect.bisect_left(self.xs, d) - 1]
+
+    def slope_up(self, d: int) -> float:
+        """Saving (J per unit) of lengthening beyond ``d``; 0 at the slowest."""
+        if d >= self.xs[-1]:
+            return 0.0
+        return self.slopes[self._segment(d)]
+
+    def vertex_below(self, d: int) -> int:
+        """The largest hull vertex strictly below ``d``."""
+        i = bisect.bisect_left(self.xs, d)
+        return self.xs[max(i - 1, 0)]
+
+    def vertex_above(self, d: int) -> int:
+        """The smallest hull vertex strictly above ``d``."""
+        i = bisect.bisect_right(self.xs, d)
+        return self.xs[min(i, len(self.xs) - 1)]
+
+
+class _MaxFlow:
+    """A residual network on integer capacities, augmented along shortest paths (Edmonds-Karp)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.head: list[list[int]] = [[] for _ in range(n)]
+        self.seen: list[bool] = []
+        self.to: list[int] = []
+        self.cap: list[int] = []
+
+    def add(self, u: int, v: int, cap: int) -> int:
+        self.head[u].append(len(self.to))
+        self.to.append(v)
+        self.cap.append(cap)
+        self.head[v].append(len(self.to))
+        self.to.append(u)
+        self.cap.append(0)
+        return len(self.to) - 2
+
+    def augment(self, s: int, t: int) -> int:
+        """Push flow along shortest augmenting paths until none is left; the amount pushed."""
+        to, cap, head = self.to, self.cap, self.head
+        total = 0
+        while True:
+            parent = [-1] * self.n
+            parent[s] = -2
+            q = deque([s])
+            while q and parent[t] == -1:
+                u = q.popleft()
+                for e in head[u]:
+                    v = to[e]
+                    if cap[e] > 0 and parent[v] == -1:
+                        parent[v] = e
+                        q.append(v)
+            if parent[t] == -1:
+                self.seen = [x != -1 for x in parent]  # what s reaches: the source side of a minimum cut
+                return total
+            f = _PY_INF
+            v = t
+            while v != s:
+                e = parent[v]
+                f = min(f, cap[e])
+                v = to[e ^ 1]
+            v = t
+            while v != s:
+                e = parent[v]
+                cap[e] -= f
+                cap[e ^ 1] += f
+                v = to[e ^ 1]
+            total += f
+            if total >= _PY_INF // 2:
+                return total
+
+    def reachable(self, s: int) -> list[bool]:
+        seen = [False] * self.n
+        seen[s] = True
+        q = deque([s])
+        while q:
+            u = q.popleft()
+            for e in self.head[u]:
+                if self.cap[e] > 0 and not seen[self.to[e]]:
+                    seen[self.to[e]] = True
+                    q.append(self.to[e])
+        return seen
+
+
+def _repeats(p: Problem, dur: list[int], shorten: list[int], lengthen: list[int], horizon: int) -> int:
+    """How many times the cut can be applied before a non-critical path overtakes the critical ones.
+
+    Applying the cut ``j`` times changes a path's length by ``j`` times (computations it
+    lengthens - those it shortens), ``delta``; critical paths have ``delta = -1``. One pass
+    keeps, for every node and every ``delta``, the longest path ending there.
+    """
+    change = [0] * len(dur)
+    for v in shorten:
+        change[v] = -1
+    for v in lengthen:
+        change[v] = 1
+    best: list[dict[int, int]] = []
+    limit = _INF
+    for v in range(len(dur)):
+        here: dict[int, int] = {}
+        cv, dv = change[v], dur[v]
+        preds = p.preds[v]
+        if not preds:
+            here[cv] = dv
+        for u in preds:
+            for delta, length in best[u].items():
+                key, val = delta + cv, length + dv
+                if here.get(key, -1) < val:
+                    here[key] = val
+        best.append(here)
+        for delta, length in here.items():
+            if delta >= 0:
+                limit = min(limit, (horizon - length) // (delta + 1))
+    return limit
+
+
+_PY_INF = 1 << 62
+
+
+class _Walker:
+    """The relaxation walk: repeated least-cost cuts, with the maximum flow kept between cuts.
+
+    A full rebuild finds the critical computations, their flow network and a maximum flow
+    (SciPy when installed). Between rebuilds the network is kept: when a shortened computation
+    reaches a hull vertex, only the capacity of shortening it further grows, so the previous
+    flow stays feasible and a few augmenting paths restore a maximum flow, from which the next
+    cut is read. The kept network may still hold paths that stopped being critical; cutting
+    them too is wasteful but never wrong, and the makespan then only shrinks faster than tracked.
+    A rebuild happens when a cut lengthens a computation, when a non-critical path could catch
+    up (``budget``), or when no finite cut is left in the kept network.
+    """
+
+    def __init__(self, p: Problem, hulls: list[_Hull], dur: list[int]) -> None:
+        self.p, self.hulls, self.dur = p, hulls, dur
+        self.stale = True
+        self.refresh_due = False
+        self.rebuilds = 0
+        self.refreshes = 0
+        self.warm = 0
+
+    def _times(self) -> tuple[list[int], list[int], int, int]:
+        """Earliest starts, latest finishes, makespan, and the least float off the critical paths."""
+        p, dur = self.p, self.dur
+        n = len(dur)
+        preds, succs = p.preds, p.succs
+        es = [0] * n
+        for v in range(n):
+            best = 0
+            for u in preds[v]:
+                e = es[u] + dur[u]
+                if e > best:
+                    best = e
+            es[v] = best
+        horizon = max(es[v] + dur[v] for v in range(n))
+        lf = [horizon] * n
+        for v in range(n - 1, -1, -1):
+            best = horizon
+            for w in succs[v]:
+                x = lf[w] - dur[w]
+                if x < best:
+                    best = x
+            lf[v] = best
+        # Every non-critical path has a non-critical computation or, between critical ones, an
+        # edge with float; the least of those is how many units may pass before a refresh.
+        budget = _INF
+        for u in range(n):
+            eu = es[u] + dur[u]
+            f = lf[u] - eu
+            if 0 < f < budget:
+                budget = f
+            for w in succs[u]:
+                f = lf[w] - dur[w] - eu
+                if 0 < f < budget:
+                    budget = f
+        return es, lf, horizon, budget
+
+    def _add(self, es: list[int], lf: list[int], horizon: int,
+             au: list[int], av: list[int], ac: list[float]) -> list[tuple[int, int]]:
+        """Arcs for the critical computations and edges not in the network yet.
+
+        Returns:
+            ``(node, index of its first arc)`` for each computation added.
+        """
+        dur, hulls, ids = self.dur, self.hulls, self.ids
+        added: list[tuple[int, int]] = []
+        inf = math.inf
+        crit = [v for v in range(len(dur)) if lf[v] - dur[v] == es[v]]
+        for v in crit:
+            if ids[v] < 0:
+                ids[v] = self.size
+                self.size += 2
+                self.crit.append(v)
+                h = hulls[v]
+                down, up = h.slope_down(dur[v]), h.slope_up(dur[v])
+                lo = min(up, down)
+                a = ids[v]
+                added.append((v, len(au)))
+                au += (a, a, 0)
+                av += (a + 1, 1, a + 1)
+                ac += (down - lo, lo, lo)
+        for v in crit:
+            a = ids[v]
+            if es[v] == 0 and (0, v) not in self.links:
+                self.links.add((0, v))
+                au.append(0)
+                av.append(a)
+                ac.append(inf)
+            end_v = es[v] + dur[v]
+            if end_v == horizon and (v, -1) not in self.links:
+                self.links.add((v, -1))
+                au.append(a + 1)
+                av.append(1)
+                ac.append(inf)
+            for w in self.p.succs[v]:
+                if es[w] == end_v and ids[w] >= 0 and lf[w] - dur[w] == es[w] and (v, w) not in self.links:
+                    self.links.add((v, w))
+                    au.append(a + 1)
+                    av.append(ids[w])
+                    ac.append(inf)
+        return added
+
+    def rebuild(self) -> tuple[int, list[int], list[int]] | None:
+        """Rebuild the network of critical computations and solve its flow from scratch."""
+        self.rebuilds += 1
+        es, lf, horizon, budget = self._times()
+        self.ids = [-1] * len(self.dur)
+        self.size = 2
+        self.crit: list[int] = []
+        self.links: set[tuple[int, int]] = set()
+        au: list[int] = []
+        av: list[int] = []
+        ac: list[float] = []
+        added = self._add(es, lf, horizon, au, av, ac)
+        solved = _max_flow(self.size, au, av, ac)
+        if solved is None:
+            return None  # no finite cut: some critical path is at its fastest everywhere
+        self.graph, edge_of, self.scale = solved
+        self.arc_edge = {v: (edge_of[i], edge_of[i + 1], edge_of[i + 2]) for v, i in added}
+        self.horizon, self.budget = horizon, budget
+        self.stale = self.refresh_due = False
+        return self._cut(self.graph.reachable(0), first=True)
+
+    def refresh(self) -> tuple[int, list[int], list[int]] | None:
+        """Add what became critical to the kept network (zero flow on it), then augment."""
+        self.refreshes += 1
+        es, lf, horizon, budget = self._times()
+        au: list[int] = []
+        av: list[int] = []
+        ac: list[float] = []
+        added = self._add(es, lf, horizon, au, av, ac)
+        g, scale = self.graph, self.scale
+        while g.n < self.size:
+            g.head.append([])
+            g.n += 1
+        edge_of = []
+        for u, v, c in zip(au, av, ac, strict=True):
+            edge_of.append(g.add(u, v, _PY_INF if c == math.inf else int(c * scale)))
+        for v, i in added:
+            self.arc_edge[v] = (edge_of[i], edge_of[i + 1], edge_of[i + 2])
+        self.horizon, self.budget = horizon, budget
+        self.refresh_due = False
+        if g.augment(0, 1) >= _PY_INF // 2:
+            return self.rebuild()
+        return self._cut(g.seen, first=True)
+
+    def _cut(self, side: list[bool], first: bool = False) -> tuple[int, list[int], list[int]] | None:
+        """The cut whose source side is ``side``; ``first`` after the network changed."""
+        if side[1]:
+            return None
+        ids, dur, hulls = self.ids, self.dur, self.hulls
+        shorten = [v for v in self.crit if side[ids[v]] and not side[ids[v] + 1]]
+        lengthen = [v for v in self.crit if side[ids[v] + 1] and not side[ids[v]]]
+        if not shorten:
+            return None
+        k = _INF
+        for v in shorten:
+            k = min(k, dur[v] - hulls[v].vertex_below(dur[v]))
+        for v in lengthen:
+            k = min(k, hulls[v].vertex_above(dur[v]) - dur[v])
+        if k > self.budget:
+            if first:
+                k = min(k, _repeats(self.p, dur, shorten, lengthen, self.horizon))
+            else:
+                k = self.budget
+        return max(1, k), shorten, lengthen
+
+    def next(self) -> tuple[int, list[int], list[int]] | None:
+        """The next cut ``(units, shortened, lengthened)``, or ``None`` at the fastest."""
+        if not self.stale and self.refresh_due:
+            step = self.refresh()
+            if step is not None:
+                return step
+        elif not self.stale:
+            self.warm += 1
+            if self.graph.augment(0, 1) >= _PY_INF // 2:
+                self.stale = True
+            else:
+                step = self._cut(self.graph.seen)
+                if step is not None:
+                    return step
+        return self.rebuild()
+
+    def applied(self, units: int, shorten: list[int], lengthen: list[int]) -> None:
+        """Record that the cut was applied ``units`` times (durations already changed).
+
+        The changed computations get their new capacities. Their flow is kept where it fits:
+        the flow through a computation's three arcs (shorten it, and the two that account for
+        lengthening it) may shift between them as long as what enters and leaves it stays the
+        same; when no such shift fits, the network is rebuilt.
+        """
+        # A non-critical path through lengthened computations grows while the makespan shrinks.
+        self.budget -= units * (1 + len(lengthen))
+        self.horizon -= units
+        if self.stale:
+            return
+        if self.budget <= 0:
+            self.refresh_due = True
+        g, hulls, dur, scale = self.graph, self.hulls, self.dur, self.scale
+        cap = g.cap
+        for v in (*shorten, *lengthen):
+            h = hulls[v]
+            down, up = h.slope_down(dur[v]), h.slope_up(dur[v])
+            lo = min(up, down)
+            io, it, so = self.arc_edge[v]
+            lo_int = int(lo * scale)
+            io_int = _PY_INF if down == math.inf else int((down - lo) * scale)
+            f_io, f_it, f_so = cap[io ^ 1], cap[it ^ 1], cap[so ^ 1]
+            into, out = f_io + f_it, f_io + f_so  # flow entering in(v), leaving out(v): kept
+            low = max(0, max(into, out) - lo_int)
+            high = min(io_int, into, out)
+            if low > high:
+                self.stale = True
+                return
+            f = min(max(f_io, low), high)
+            for e, c, flow in ((io, io_int, f), (it, lo_int, into - f), (so, lo_int, out - f)):
+                cap[e] = c - flow
+                cap[e ^ 1] = flow
+
+
+def _max_flow(
+    n: int, au: list[int], av: list[int], ac: list[float]
+) -> tuple[_MaxFlow, list[int], float] | None:
+    """A maximum 0-1 flow, as a residual network; ``None`` when every cut is infinite.
+
+    Capacities are scaled to integers so the finite ones sum below 2**30. SciPy's maximum flow
+    is used when installed, a pure-Python Dinic otherwise.
+
+    Returns:
+        ``(residual network, edge index of each arc, scale)``.
+    """
+    # An all-infinite path means no finite cut (checked first, so flows stay below 2**30).
+    inf_adj: list[list[int]] = [[] for _ in range(n)]
+    for u, v, c in zip(au, av, ac, strict=True):
+        if c == math.inf:
+            inf_adj[u].append(v)
+    seen_inf = [False] * n
+    seen_inf[0] = True
+    stack = [0]
+    while stack:
+        for v in inf_adj[stack.pop()]:
+            if not seen_inf[v]:
+                seen_inf[v] = True
+                stack.append(v)
+    if seen_inf[1]:
+        return None
+    c_arr = np.asarray(ac, dtype=np.float64)
+    infinite = np.isinf(c_arr)
+    finite = float(c_arr[~infinite].sum())
+    scale = (1 << 30) / finite if finite > 0 else 1.0
+    big = (1 << 31) - 1
+    ints = np.where(infinite, big, np.floor(np.where(infinite, 0.0, c_arr) * scale)).astype(np.int64)
+    g = _MaxFlow(n)
+    py_caps = [(_PY_INF if c == big else c) for c in ints.tolist()]
+    edge_of = [g.add(u, v, c) for u, v, c in zip(au, av, py_caps, strict=True)]
+    if _csgraph is not None:
+        sp, cs = _csgraph
+        u_arr = np.asarray(au, dtype=np.int32)
+        v_arr = np.asarray(av, dtype=np.int32)
+        order = np.lexsort((v_arr, u_arr))
+        u_s, v_s = u_arr[order], v_arr[order]
+        indptr = np.searchsorted(u_s, np.arange(n + 1, dtype=np.int32)).astype(np.int32)
+        cap = sp.csr_matrix((ints.astype(np.int32)[order], v_s, indptr), shape=(n, n))
+        cap.has_sorted_indices = True
+        fm = cs.maximum_flow(cap, 0, 1, method="dinic").flow.tocsr()
+        fm.sort_indices()
+        rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(fm.indptr))
+        keys = rows * n + fm.indices
+        want = u_arr.astype(np.int64) * n + v_arr  # original arc order
+        pos = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
+        flows = np.where(keys[pos] == want, fm.data[pos], 0) if len(keys) else np.zeros(len(au), np.int64)
+        for e, f in zip(edge_of, np.maximum(flows, 0).tolist(), strict=True):
+            if f:
+                g.cap[e] -= f
+                g.cap[e ^ 1] += f
+    else:
+        g.augment(0, 1)
+    return g, edge_of, scale
+
+
+# -- exact branch and bound --------------------------------------------------------------------------
+
+def exact_points(p: Problem) -> list[tuple[int, float, list[int]]]:
+    """Every Pareto-optimal ``(makespan units, effective energy, choice)``, by branch and bound."""
+    n = len(p.durations)
+    order = list(range(n))  # topological
+    min_cost_rest = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        min_cost_rest[i] = min_cost_rest[i + 1] + p.costs[i][-1]
+    # Longest path from each node's end to the sink with every node at its fastest.
+    tail = [0] * n
+    for v in range(n - 1, -1, -1):
+        tail[v] = max((p.durations[w][0] + tail[w] for w in p.succs[v]), default=0)
+    front: list[tuple[int, float, list[int]]] = []  # sorted by makespan, costs decreasing
+
+    def dominated(ms: int, cost: float) -> bool:
+        for m, c, _ in front:
+            if m > ms:
+                break
+            if c <= cost + 1e-12:
+                return True
+        return False
+
+    choice = [0] * n
+    end = [0] * n
+
+    def visit(i: int, cost: float, ms_lb: int, ms: int) -> None:
+        if i == n:
+            if not dominated(ms, cost):
+                front[:] = [f for f in front if not (f[0] >= ms and f[1] >= cost)]
+                front.append((ms, cost, list(choice)))
+                front.sort(key=lambda f: f[0])
+            return
+        v = order[i]
+        start = max((end[u] for u in p.preds[v]), default=0)
+        ds, cs = p.durations[v], p.costs[v]
+        for k in range(len(ds) - 1, -1, -1):  # cheapest first
+            e = start + ds[k]
+            lb = max(ms_lb, e + tail[v])
+            c = cost + cs[k]
+            if dominated(lb, c + min_cost_rest[i + 1]):
+                continue
+            choice[v] = k
+            end[v] = e
+            visit(i + 1, c, lb, max(ms, e))
+
+    visit(0, 0.0, 0, 0)
+    return front
+
+
+# -- the solver ------------------------------------------------------------------------------------
+
+def solve(
+    dag: PipelineDAG,
+    profile: PipelineProfile,
+    blocking_power_w: float,
+    unit_time_s: float = 0.001,
+    method: str = "auto",
+) -> Frontier:
+    """The time-energy frontier of one iteration of ``dag``.
+
+    Args:
+        dag: The pipeline (:func:`~joules.optimizers.pipeline.schedule.build_dag`).
+        profile: Time and energy of each computation at each frequency.
+        blocking_power_w: Power of a GPU blocked on communication, W.
+        unit_time_s: Time unit; iteration times are planned in whole units.
+        method: ``"auto"``, ``"fast"`` or ``"exact"`` (see the module docs).
+
+    Returns:
+        The frontier, fastest plan first. ``meta`` holds the method used, the number of
+        relaxation steps and, for ``"fast"``, the relaxation's lower bound at the fastest time.
+
+    Raises:
+        PipelineProfileError: The profile lacks a stage or instruction.
+        ValueError: Bad unit time, blocking power or method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    t0 = time.perf_counter()
+    meta: dict[str, object] = {}
+    if method in ("auto", "exact"):
+        p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
+        if method == "exact" or p.combinations() <= EXACT_AUTO_LIMIT:
+            method = "exact"
+            plans = [p.plan(c) for _, _, c in exact_points(p)]
+        else:
+            method = "fast"
+    if method == "fast":
+        fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
+        grid = max(1, round(unit_time_s / FINE_UNIT_S))
+        rows, _, info = _fast(fine, grid, max(1, grid // PLANS_PER_UNIT))
+        meta.update(info)
+        plans = _evaluate_rows(fine, rows)
+    meta["method"] = method
+    table = option_table(dag, profile)
+    top = [max(opts.values(), key=lambda o: o.frequency) for opts in table]
+    max_freq = plan_of(dag, top, blocking_power_w)
+    frontier_plans = _lower_envelope(plans)
+    return Frontier(
+        dag=dag,
+        plans=frontier_plans,
+        max_frequency=max_freq,
+        blocking_power_w=blocking_power_w,
+        unit_time_s=unit_time_s,
+        solve_time_s=time.perf_counter() - t0,
+        profile_name=profile.name,
+        meta=meta,
+    )
+
+
+def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, dict[str, object]]:
+    """Relaxation walk and rounding on a fine-grained problem.
+
+    Args:
+        p: The problem in fine units.
+        grid: The time unit asked for, in fine units (hull segments shorter than
+            ``SPAN_UNITS`` of it are merged).
+        every: One plan per ``every`` fine units of iteration time.
+
+    Returns:
+        ``(choices, deadlines, info)``: option indices (rows x nodes) improved at their
+        deadlines (fine units), and statistics.
+    """
+    n = len(p.durations)
+    shared: dict[int, _Hull] = {}
+    hulls: list[_Hull] = []
+    for v in range(n):
+        key = id(p.durations[v])  # computations of one stage and kind share their option lists
+        if key not in shared:
+            shared[key] = _Hull(p.durations[v], p.costs[v], HULL_TOLERANCE, grid * SPAN_UNITS)
+        hulls.append(shared[key])
+    fastest = [0] * n
+    t_min = p.makespan(fastest)
+    dur = [h.xs[-1] for h in hulls]
+    horizon = max(_ends(p, dur))
+    # Deadlines t_min + m * grid, walked from the slowest down; each gets the first relaxed
+    # state whose makespan fits it.
+    m = (horizon - t_min) // every
+    states: list[list[int]] = []
+    deadlines: list[int] = []
+    cuts = 0
+    left = 0  # units the current cut may still be applied
+    total = 0
+    walker = _Walker(p, hulls, dur)
+    shorten: list[int] = []
+    lengthen: list[int] = []
+    while m >= 0:
+        target = t_min + m * every
+        if horizon <= target:
+            states.append(list(dur))
+            deadlines.append(target)
+            m -= 1
+            continue
+        if left <= 0:
+            step = walker.next()
+            if step is None:  # cannot shrink further (only rounding noise separates it from t_min)
+                states.append(list(dur))
+                deadlines.append(target)
+                m -= 1
+                continue
+            left, shorten, lengthen = step
+            total = 0
+            cuts += 1
+        j = min(left, horizon - target)  # stop at the next deadline if it comes first; the cut stays valid
+        for v in shorten:
+            dur[v] -= j
+        for v in lengthen:
+            dur[v] += j
+        horizon -= j
+        left -= j
+        total += j
+        if left <= 0:
+            walker.applied(total, shorten, lengthen)
+    batch = _Batch(p)
+    relaxed = np.array(states, dtype=np.int64).reshape(len(states), n)
+    rows = np.vstack([batch.round_down(relaxed), np.zeros((1, n), dtype=np.int64)])
+    limits = np.array([*deadlines, t_min], dtype=np.int64)
+    # Rounding down can overshoot nothing (each duration only shrinks), so every row meets its
+    # deadline; the greedy pass then spends what rounding left.
+    rows = batch.improve(rows, limits)
+    return rows, limits, {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
+                          "refreshes": walker.refreshes, "deadlines": len(deadlines)}
+
+
+class _Batch:
+    """Many plans of one problem at once (rows), vectorized with numpy.
+
+    Nodes are grouped by depth (nodes of one depth never depend on each other), so a
+    longest-path pass costs a few numpy operations per depth for every row at once. Each
+    node's options live in one flat table, node ``v``'s at ``offset[v]`` onward.
+    """
+
+    def __init__(self, p: Problem) -> None:
+        self.p = p
+        n = self.n = len(p.durations)
+        depth = [0] * n
+        for v in range(n):
+            depth[v] = 1 + max((depth[u] for u in p.preds[v]), default=-1)
+        levels: dict[int, list[int]] = {}
+        for v in range(n):
+            levels.setdefault(depth[v], []).append(v)
+
+        def padded(lists: list[list[int]]) -> np.ndarray:
+            width = max(1, max((len(x) for x in lists), default=1))
+            return np.array([x + [n] * (width - len(x)) for x in lists], dtype=np.int64)
+
+        # (nodes of the level, their predecessors / successors padded with the dummy column n)
+        self.levels = [
+            (np.array(vs, dtype=np.int64), padded([p.preds[v] for v in vs]), padded([p.succs[v] for v in vs]))
+            for _, vs in sorted(levels.items())
+        ]
+        sizes = [len(ds) for ds in p.durations]
+        self.offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.count = np.array(sizes, dtype=np.int64)
+        span = self.span = max((ds[-1] for ds in p.durations), default=0) + 2
+        # Durations made increasing across nodes (node v shifted by v * span) for one searchsorted.
+        self.flat_d = np.concatenate([np.asarray(ds, dtype=np.int64) for ds in p.durations])
+        self.flat_c = np.concatenate([np.asarray(cs, dtype=np.float64) for cs in p.costs])
+        self.shift = np.arange(n, dtype=np.int64) * span
+        self.keys = self.flat_d + np.repeat(self.shift, sizes)
+
+    def durations_of(self, choice: np.ndarray) -> np.ndarray:
+        """Durations (rows x nodes) of option indices ``choice``."""
+        return self.flat_d[choice + self.offset]
+
+    def _index_at_most(self, limit: np.ndarray) -> np.ndarray:
+        """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none)."""
+        limit = np.clip(limit, -1, self.span - 1)
+        pos = np.searchsorted(self.keys, limit + self.shift, side="right") - 1
+        return pos - self.offset
+
+    def round_down(self, durations: np.ndarray) -> np.ndarray:
+        """Per row and node, the slowest option no longer than the duration (the fastest if none)."""
+        return np.maximum(self._index_at_most(durations), 0)
+
+    def earliest_ends(self, dur: np.ndarray) -> np.ndarray:
+        """Earliest end of every node (rows x nodes); works for integer and real durations."""
+        rows = dur.shape[0]
+        ef = np.zeros((rows, self.n + 1), dtype=dur.dtype)
+        for vs, preds, _ in self.levels:
+            ef[:, vs] = ef[:, preds].max(axis=2) + dur[:, vs]
+        return ef[:, : self.n]
+
+    def makespan(self, dur: np.ndarray) -> np.ndarray:
+        """Longest path of each row."""
+        return self.earliest_ends(dur).max(axis=1)
+
+    def improve(self, choice: np.ndarray, deadline: np.ndarray) -> np.ndarray:
+        """Greedily move computations to slower, cheaper options while each row's deadline holds.
+
+        Each round computes every node's float and, per row, applies the single move (a node to
+        the slowest option its float allows) with the largest saving.
+        """
+        choice = choice.copy()
+        rows = np.arange(choice.shape[0])
+        n = self.n
+        while rows.size:
+            ch = choice[rows]
+            dur = self.durations_of(ch)
+            ef = self.earliest_ends(dur)
+            ls = np.empty((rows.size, n + 1), dtype=dur.dtype)
+            ls[:, n] = deadline[rows]
+            lf = np.empty_like(dur)
+            for vs, _, succs in reversed(self.levels):
+                lf[:, vs] = ls[:, succs].min(axis=2)
+                ls[:, vs] = lf[:, vs] - dur[:, vs]
+            k2 = np.maximum(self._index_at_most(lf - ef + dur), ch)
+            gains = self.flat_c[ch + self.offset] - self.flat_c[k2 + self.offset]
+            best = gains.argmax(axis=1)
+            idx = np.arange(rows.size)
+            moving = gains[idx, best] > 0
+            if not moving.any():
+                break
+            rows, best, idx = rows[moving], best[moving], idx[moving]
+            choice[rows, best] = k2[idx, best]
+        return choice
+
+
+def _evaluate_rows(p: Problem, rows: np.ndarray) -> list[Plan]:
+    """Real plans (times from the profile, not rounded) of option-index rows."""
+    rows = np.unique(rows, axis=0)
+    n = len(p.durations)
+    times = np.empty(rows.shape, dtype=np.float64)
+    energies = np.empty(rows.shape, dtype=np.float64)
+    freqs = np.empty(rows.shape, dtype=np.int64)
+    for v in range(n):
+        opts = p.options[v]
+        times[:, v] = np.array([o.time_s for o in opts])[rows[:, v]]
+        energies[:, v] = np.array([o.energy_j for o in opts])[rows[:, v]]
+        freqs[:, v] = np.array([o.frequency for o in opts])[rows[:, v]]
+    iteration = _Batch(p).makespan(times)
+    total = energies.sum(axis=1) + p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
+    return [
+        Plan(tuple(f), float(t), float(e))
+        for f, t, e in zip(freqs.tolist(), iteration.tolist(), total.tolist(), strict=True)
+    ]
+
+
+def _ends(p: Problem, dur: list[int]) -> list[int]:
+    end = [0] * len(dur)
+    for v in range(len(dur)):
+        end[v] = max((end[u] for u in p.preds[v]), default=0) + dur[v]
+    return end
+
+
+def _lower_envelope(plans: list[Plan]) -> list[Plan]:
+    """Plans where no other plan is at least as fast and uses less energy, fastest first."""
+    out: list[Plan] = []
+    for pl in sorted(plans, key=lambda q: (q.time_s, q.energy_j)):
+        if not out or pl.energy_j < out[-1].energy_j - 1e-9 * max(1.0, abs(out[-1].energy_j)):
+            if out and abs(pl.time_s - out[-1].time_s) <= 1e-12:
+                continue
+            out.append(pl)
+    return out

@@ -1,0 +1,319 @@
+"""The pipeline frequency controller: locks each computation's clock, and always puts it back."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from joules.devices.restore import RestoreGuard
+from joules.devices.sim import Simulator
+from joules.errors import DevicePermissionError
+from joules.optimizers.pipeline.controller import (
+    FrequencyController,
+    Instruction,
+    PlanMismatchError,
+    snap_frequency,
+)
+from joules.optimizers.pipeline.frontier import Frontier, PlanError, evaluate
+from joules.optimizers.pipeline.profile import synthetic_profile
+from joules.optimizers.pipeline.schedule import build_dag
+
+JOULES = str(Path(sys.executable).parent / "joules")
+
+# Stage 1 of a 2-stage, 2-microbatch 1F1B pipeline: F0 F1 B0 B1 (A100 clocks are 1410 - 15k MHz).
+PLAN = [
+    {"computation": "forward", "microbatch": 0, "frequency": 1410},
+    {"computation": "forward", "microbatch": 1, "frequency": 1200},
+    {"computation": "backward", "microbatch": 0, "frequency": 1200},
+    {"computation": "backward", "microbatch": 1, "frequency": 1005},
+]
+
+
+def journals(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.json")) if directory.is_dir() else []
+
+
+@pytest.fixture
+def sim() -> Simulator:
+    return Simulator("A100x2")
+
+
+def test_locks_each_planned_clock_in_order_and_skips_repeats(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    jdir = tmp_path / "journal"
+    with FrequencyController(gpu, PLAN, journal_dir=jdir) as ctl:
+        for iteration in range(2):
+            for ins in PLAN:
+                got = ctl.on_instruction_begin(str(ins["computation"]), int(ins["microbatch"]))  # type: ignore[call-overload]
+                f = float(ins["frequency"])  # type: ignore[arg-type]
+                assert got == f
+                assert gpu.sm_clock_locked() == (f, f)  # locked while the computation runs
+                assert len(journals(jdir)) == 1  # journaled: a SIGKILL now is healed later
+                ctl.on_instruction_end(str(ins["computation"]), int(ins["microbatch"]))  # type: ignore[call-overload]
+                assert gpu.sm_clock_locked() == (f, f)
+            assert ctl.stats.iterations == iteration + 1
+        # 1410, 1200, (1200 skipped), 1005, then 1410, 1200, (skip), 1005 again
+        assert ctl.stats.locks_applied == 6
+        assert ctl.stats.locks_skipped == 2
+        assert ctl.stats.instructions == 8
+        assert ctl.stats.out_of_order == 0
+        assert [r.frequency_mhz for r in ctl.records] == [1410, 1200, 1005, 1410, 1200, 1005]
+        assert all(r.applied for r in ctl.records)
+    assert gpu.sm_clock_locked() is None  # the context exit reset the clock
+    assert journals(jdir) == []
+    assert sim.gpus[1].sm_clock_locked() is None
+
+
+def test_counts_every_lock_call_on_the_gpu(sim: Simulator, tmp_path: Path, monkeypatch) -> None:
+    gpu = sim.gpus[0]
+    calls: list[tuple[float, float]] = []
+    real = gpu.lock_sm_clock
+    monkeypatch.setattr(gpu, "lock_sm_clock", lambda lo, hi: (calls.append((lo, hi)), real(lo, hi))[1])
+    with FrequencyController(gpu, PLAN, journal_dir=tmp_path) as ctl:
+        for ins in PLAN:
+            ctl.on_instruction_begin(ins["computation"], ins["microbatch"])  # type: ignore[arg-type]
+            ctl.on_instruction_end(ins["computation"], ins["microbatch"])  # type: ignore[arg-type]
+    assert calls == [(1410, 1410), (1200, 1200), (1005, 1005)]
+
+
+def test_frequencies_are_snapped_to_supported_clocks(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    plan = [{"computation": "forward", "microbatch": 0, "frequency": 1203},
+            {"computation": "backward", "microbatch": 0, "frequency": 5000},
+            {"computation": "forward", "microbatch": 1, "frequency": 100}]
+    with FrequencyController(gpu, plan, journal_dir=tmp_path) as ctl:
+        assert ctl.on_instruction_begin("forward", 0) == 1200.0
+        assert gpu.sm_clock_locked() == (1200.0, 1200.0)
+        assert ctl.on_instruction_begin("backward", 0) == 1410.0
+        assert ctl.on_instruction_begin("forward", 1) == 210.0
+        assert gpu.sm_clock_locked() == (210.0, 210.0)
+    assert snap_frequency(1207.5, [1200.0, 1215.0]) == 1215.0  # a tie goes up
+
+
+def test_dry_run_never_touches_the_gpu(sim: Simulator, tmp_path: Path, monkeypatch) -> None:
+    gpu = sim.gpus[0]
+    gpu.allow_control = False  # any change would raise
+    monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path))
+    ctl = FrequencyController(gpu, PLAN, dry_run=True)
+    assert ctl.guard is None
+    for ins in PLAN:
+        ctl.on_instruction_begin(ins["computation"], ins["microbatch"])  # type: ignore[arg-type]
+        ctl.on_instruction_end(ins["computation"], ins["microbatch"])  # type: ignore[arg-type]
+    assert gpu.sm_clock_locked() is None
+    assert [(r.computation, r.microbatch, r.frequency_mhz, r.applied) for r in ctl.records] == [
+        ("forward", 0, 1410.0, False), ("forward", 1, 1200.0, False), ("backward", 1, 1005.0, False)]
+    assert (ctl.stats.locks_applied, ctl.stats.locks_skipped) == (3, 1)
+    assert ctl.locked_mhz == 1005.0
+    assert ctl.restore() == []
+    assert journals(tmp_path / "restore") == []
+
+
+def test_no_permission_raises_a_clear_error_and_changes_nothing(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    gpu.lock_sm_clock(1305.0, 1305.0)  # what the GPU had
+    gpu.allow_control = False
+    ctl = FrequencyController(gpu, PLAN, journal_dir=tmp_path)
+    with pytest.raises(DevicePermissionError) as err:
+        ctl.on_instruction_begin("forward", 0)
+    msg = str(err.value)
+    assert "GPU 0" in msg and "SYS_ADMIN" in msg and "dry_run=True" in msg and "not changed" in msg
+    assert gpu.sm_clock_locked() == (1305.0, 1305.0)
+    assert ctl.guard is not None and ctl.guard.changed == []
+    assert journals(tmp_path) == []
+    assert ctl.stats.locks_applied == 0 and ctl.locked_mhz is None
+
+
+def test_exception_in_the_with_block_restores(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    with pytest.raises(RuntimeError, match="training crashed"):
+        with FrequencyController(gpu, PLAN, journal_dir=tmp_path) as ctl:
+            ctl.on_instruction_begin("forward", 0)
+            ctl.on_instruction_begin("forward", 1)
+            assert gpu.sm_clock_locked() == (1200.0, 1200.0)
+            raise RuntimeError("training crashed")
+    assert gpu.sm_clock_locked() is None
+    assert journals(tmp_path) == []
+    assert ctl.stats.restores == 1
+
+
+def test_restore_then_go_on_locks_again(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    ctl = FrequencyController(gpu, PLAN, journal_dir=tmp_path)
+    ctl.on_instruction_begin("forward", 0)
+    assert ctl.restore() == []
+    assert gpu.sm_clock_locked() is None and ctl.locked_mhz is None
+    ctl.on_instruction_begin("forward", 0)  # same frequency as before the restore: not skipped
+    assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+    assert ctl.close() == []
+    assert gpu.sm_clock_locked() is None
+    assert ctl.stats.restores == 2 and ctl.stats.locks_skipped == 0
+
+
+def test_shared_guard_restores_every_stage(tmp_path: Path) -> None:
+    sim = Simulator("A100x2")
+    guard = RestoreGuard(sim.gpus, journal_dir=tmp_path, handle_signals=False)
+    a = FrequencyController(sim.gpus[0], PLAN, guard=guard)
+    b = FrequencyController(sim.gpus[1], PLAN, guard=guard)
+    a.on_instruction_begin("forward", 1)
+    b.on_instruction_begin("backward", 1)
+    assert [g.sm_clock_locked() for g in sim.gpus] == [(1200.0, 1200.0), (1005.0, 1005.0)]
+    assert [c.index for c in guard.changed] == [0, 1]
+    a.restore()
+    assert [g.sm_clock_locked() for g in sim.gpus] == [None, None]
+
+
+def test_lookup_by_computation_tolerates_another_order(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    with FrequencyController(gpu, PLAN, journal_dir=tmp_path) as ctl:
+        assert ctl.on_instruction_begin("B", 1) == 1005.0  # aliases: F/B, fwd/bwd
+        assert gpu.sm_clock_locked() == (1005.0, 1005.0)
+        ctl.on_instruction_end("bwd", 1)
+        assert ctl.on_instruction_begin("FWD", 0) == 1410.0  # after the last one: in order
+        ctl.on_instruction_end("forward", 1)  # not the one running
+        assert ctl.stats.out_of_order == 2
+        assert ctl.frequency_of("backward", 0) == 1200.0
+        with pytest.raises(PlanMismatchError, match="no forward of microbatch 7"):
+            ctl.on_instruction_begin("forward", 7)
+        with pytest.raises(PlanMismatchError, match="unknown computation 'optimizer'"):
+            ctl.on_instruction_begin("optimizer", 0)
+
+
+def test_strict_order(sim: Simulator, tmp_path: Path) -> None:
+    with FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path, strict=True) as ctl:
+        ctl.on_instruction_begin("forward", 0)
+        with pytest.raises(PlanMismatchError, match="forward 0 was running"):
+            ctl.on_instruction_end("forward", 1)
+        ctl.on_instruction_end("forward", 0)
+        with pytest.raises(PlanMismatchError, match="plan's next computation is forward 1"):
+            ctl.on_instruction_begin("backward", 0)
+        assert sim.gpus[0].sm_clock_locked() == (1410.0, 1410.0)
+
+
+def test_set_plan_switches_at_the_next_instruction(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    slower = [Instruction(str(i["computation"]), int(i["microbatch"]), 900)  # type: ignore[arg-type, call-overload]
+              for i in PLAN]
+    with FrequencyController(gpu, PLAN, journal_dir=tmp_path, strict=True) as ctl:
+        ctl.on_instruction_begin("forward", 0)
+        ctl.on_instruction_end("forward", 0)
+        ctl.set_plan(slower)  # a straggler: every pipeline slows down
+        assert gpu.sm_clock_locked() == (1410.0, 1410.0)  # nothing changes until the next one
+        ctl.on_instruction_begin("forward", 1)  # still in order
+        assert gpu.sm_clock_locked() == (900.0, 900.0)
+        assert ctl.stats.plan_switches == 1
+        assert [i.to_dict() for i in ctl.instructions] == [i.to_dict() for i in slower]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "no instructions"),
+    ([PLAN[0], PLAN[0]], "listed twice"),
+    ([{"computation": "forward", "microbatch": 0}], "malformed"),
+    ([{"computation": "sideways", "microbatch": 0, "frequency": 1000}], "malformed"),
+    ([{"computation": "forward", "microbatch": 0, "frequency": -5}], "positive frequency"),
+])
+def test_bad_plans_are_rejected(sim: Simulator, bad: list[dict[str, object]], match: str) -> None:
+    with pytest.raises(PlanError, match=match):
+        FrequencyController(sim.gpus[0], bad, dry_run=True)
+
+
+def test_from_frontier_and_from_rank_file(sim: Simulator, tmp_path: Path) -> None:
+    dag = build_dag("1f1b", 2, 2)
+    profile = synthetic_profile(2)
+    fast = evaluate(dag, profile, [1410] * len(dag.nodes), 85.0)
+    slow = evaluate(dag, profile, [1200] * len(dag.nodes), 85.0)
+    frontier = Frontier(dag, [fast, slow], fast, 85.0, 0.001)
+    ctl = FrequencyController.from_frontier(frontier, 1, sim.gpus[1], dry_run=True)
+    assert [i.to_dict() for i in ctl.instructions] == frontier.rank_plan(fast, 1)
+    ctl = FrequencyController.from_frontier(frontier, 1, sim.gpus[1], time_s=slow.time_s * 1.01, dry_run=True)
+    assert [i.to_dict() for i in ctl.instructions] == frontier.rank_plan(slow, 1)
+    assert ctl.on_instruction_begin("forward", 0) == 1200.0
+    frontier.save(tmp_path)
+    ctl = FrequencyController.from_file(tmp_path / "rank0.json", sim.gpus[0], dry_run=True)
+    assert [i.to_dict() for i in ctl.instructions] == frontier.rank_plan(fast, 0)
+    (tmp_path / "bad.json").write_text(json.dumps({"stage": 0}))
+    with pytest.raises(PlanError, match="instructions"):
+        FrequencyController.from_file(tmp_path / "bad.json", sim.gpus[0], dry_run=True)
+
+
+# -- real processes: what a job leaves when it ends, is stopped, or is killed -----------------
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    from joules.devices.sim import Simulator
+    from joules.optimizers.pipeline.controller import FrequencyController
+
+    sim = Simulator("A100", state_file=sys.argv[1])
+    ctl = FrequencyController(sim.gpus[0], json.loads(sys.argv[2]))
+    ctl.on_instruction_begin("forward", 0)
+    ctl.on_instruction_end("forward", 0)
+    ctl.on_instruction_begin("forward", 1)  # mid-plan
+    print("locked", ctl.locked_mhz, flush=True)
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def _lock(state: Path) -> tuple[float, float] | None:
+    return Simulator("A100", state_file=state).gpus[0].sm_clock_locked()
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    state = tmp_path / "sim-state.json"
+    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
+    env.pop("JOULES_SIM", None)
+
+    def start() -> subprocess.Popen[str]:
+        p = subprocess.Popen([sys.executable, "-c", CHILD, str(state), json.dumps(PLAN)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        line = p.stdout.readline() if ready else ""
+        if line != "locked 1200.0\n":
+            p.kill()
+            out, err = p.communicate(timeout=10)
+            pytest.fail(f"child failed: {line}{out}{err}")
+        assert _lock(state) == (1200.0, 1200.0)
+        return p
+
+    return state, env, tmp_path / "joules-state" / "restore", start
+
+
+def test_sigterm_mid_plan_restores(job) -> None:
+    state, _, jdir, start = job
+    p = start()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGTERM, err
+    assert _lock(state) is None
+    assert journals(jdir) == []
+
+
+@pytest.mark.parametrize("how", ["guard", "cli"])
+def test_sigkill_mid_plan_is_healed_later(job, how: str) -> None:
+    state, env, jdir, start = job
+    p = start()
+    p.kill()
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL
+    assert _lock(state) == (1200.0, 1200.0)  # SIGKILL cannot be caught: the clock stays locked...
+    [journal] = journals(jdir)
+    assert json.loads(journal.read_text())["gpus"][0]["sm_clock_locked"] is True
+    if how == "guard":  # ...but the next guard on that GPU resets it
+        guard = RestoreGuard(Simulator("A100", state_file=state).gpus, journal_dir=jdir, recover_stale=True)
+        assert len(guard.recovered) == 1 and "SM clock unlocked" in guard.recovered[0]
+    else:  # ...or `joules restore`
+        r = subprocess.run([JOULES, "restore", "--sim", "A100"], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "SM clock unlocked" in r.stdout
+    assert _lock(state) is None
+    assert journals(jdir) == []

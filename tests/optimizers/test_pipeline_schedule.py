@@ -1,0 +1,128 @@
+"""Pipeline schedules as DAGs, and profiles read from CSV."""
+
+from __future__ import annotations
+
+import pytest
+
+from joules.optimizers.pipeline.frontier import timeline
+from joules.optimizers.pipeline.profile import (
+    Option,
+    PipelineProfile,
+    PipelineProfileError,
+    pareto_front,
+    synthetic_profile,
+)
+from joules.optimizers.pipeline.schedule import Computation, build_dag
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "mbs"), [(1, 1), (2, 3), (4, 8), (8, 4), (3, 16)])
+def test_every_stage_runs_each_microbatch_forward_then_backward(schedule, stages, mbs) -> None:
+    dag = build_dag(schedule, stages, mbs)
+    assert len(dag.nodes) == 2 * stages * mbs
+    preds = dag.predecessors()
+    for s, order in enumerate(dag.stage_order):
+        seq = [dag.nodes[n] for n in order]
+        assert all(c.stage == s for c in seq)
+        assert sorted((c.kind, c.microbatch) for c in seq) == sorted(
+            (k, m) for k in ("forward", "backward") for m in range(mbs)
+        )
+        for c in seq:
+            if c.kind == "backward":
+                assert seq.index(Computation(s, c.microbatch, "forward")) < seq.index(c)
+    # Node ids are a topological order, and the cross-stage dependencies are there.
+    for v, ps in enumerate(preds):
+        assert all(u < v for u in ps)
+    for s in range(1, stages):
+        for m in range(mbs):
+            f = dag.index(Computation(s, m, "forward"))
+            assert dag.index(Computation(s - 1, m, "forward")) in preds[f]
+            b = dag.index(Computation(s - 1, m, "backward"))
+            assert dag.index(Computation(s, m, "backward")) in preds[b]
+
+
+@pytest.mark.parametrize(("stages", "mbs"), [(2, 4), (4, 8), (4, 4), (8, 16)])
+def test_1f1b_warmup_and_iteration_time_with_unit_computations(stages, mbs) -> None:
+    dag = build_dag("1f1b", stages, mbs)
+    for s, order in enumerate(dag.stage_order):
+        kinds = [dag.nodes[n].kind for n in order]
+        warmup = min(stages - s - 1, mbs)
+        assert kinds[:warmup] == ["forward"] * warmup
+        assert kinds[warmup : warmup + 2] == ["forward", "backward"]
+    # With forward = backward = 1, both schedules take 2 (M + S - 1) units.
+    assert timeline(dag, [1.0] * len(dag.nodes)).time_s == 2 * (mbs + stages - 1)
+    gpipe = build_dag("gpipe", stages, mbs)
+    assert timeline(gpipe, [1.0] * len(gpipe.nodes)).time_s == 2 * (mbs + stages - 1)
+
+
+def test_gpipe_runs_all_forwards_first() -> None:
+    dag = build_dag("GPipe", 3, 4)
+    assert dag.schedule == "gpipe"
+    kinds = [dag.nodes[n].kind for n in dag.stage_order[1]]
+    assert kinds == ["forward"] * 4 + ["backward"] * 4
+
+
+def test_bad_schedules_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        build_dag("zb", 2, 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        build_dag("1f1b", 0, 2)
+
+
+def test_pareto_front_uses_effective_energy() -> None:
+    opts = [Option(1400, 1.0, 10.0), Option(1200, 1.2, 9.0), Option(1000, 1.5, 9.5), Option(900, 2.0, 9.6)]
+    assert [o.frequency for o in pareto_front(opts)] == [1400, 1200]
+    # At 10 W blocking, the slower options avoid blocked time: 9.5 - 15 < 9.0 - 12.
+    assert [o.frequency for o in pareto_front(opts, blocking_power_w=10.0)] == [1400, 1200, 1000, 900]
+
+
+def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
+    path = tmp_path / "p.csv"
+    path.write_text(
+        "stage,instruction,frequency,time,energy\n"
+        "0,forward,1410,0.030,9.0\n0,forward,1410,0.032,11.0\n"
+        "0,backward,1410,0.060,20.0\n0,forward,1200,0.035,8.0\n"
+    )
+    p = PipelineProfile.from_csv(path)
+    assert p.of(0, "forward") == (Option(1200, 0.035, 8.0), Option(1410, 0.031, 10.0))
+    assert p.stages == 1 and p.frequencies() == [1200, 1410]
+    out = tmp_path / "again.csv"
+    p.to_csv(out)
+    assert PipelineProfile.from_csv(out).options == p.options
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stage,instruction,frequency,time\n", "missing column"),
+        ("stage,instruction,frequency,time,energy\nx,forward,1,1,1\n", "line 2: stage 'x'"),
+        ("stage,instruction,frequency,time,energy\n0,sideways,1,1,1\n", "instruction 'sideways'"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,-1,1\n", "time '-1' must be a positive"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,1,nan\n", "energy 'nan'"),
+        ("stage,instruction,frequency,time,energy\n", "no rows"),
+    ],
+)
+def test_profile_errors_name_the_line_and_field(tmp_path, text, message) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(PipelineProfileError, match=message):
+        PipelineProfile.from_csv(path)
+
+
+def test_missing_profile_and_missing_stage() -> None:
+    with pytest.raises(PipelineProfileError, match="not found"):
+        PipelineProfile.from_csv("/nonexistent/profile.csv")
+    with pytest.raises(PipelineProfileError, match="stage 2 forward"):
+        synthetic_profile(2).check_covers(3)
+
+
+def test_synthetic_profiles_look_like_gpus() -> None:
+    p = synthetic_profile(4, "h100", seed=0)
+    fwd = p.of(0, "forward")
+    times = [o.time_s for o in fwd]
+    energies = [o.energy_j for o in fwd]
+    assert times == sorted(times, reverse=True)  # faster at higher clocks
+    lowest = energies.index(min(energies))
+    assert 0 < lowest < len(energies) - 1  # energy is U-shaped in the clock
+    with pytest.raises(PipelineProfileError, match="unknown GPU curve"):
+        synthetic_profile(2, "tpu")

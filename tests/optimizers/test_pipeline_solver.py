@@ -1,0 +1,205 @@
+"""The pipeline frontier solver: exact against brute force, the fast method valid and close."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from joules.optimizers.pipeline import solver as solver_module
+from joules.optimizers.pipeline.frontier import Frontier, evaluate
+from joules.optimizers.pipeline.profile import (
+    Option,
+    PipelineProfile,
+    PipelineProfileError,
+    blocking_power_w,
+    synthetic_profile,
+)
+from joules.optimizers.pipeline.schedule import build_dag
+from joules.optimizers.pipeline.solver import Problem, solve
+
+UNIT = 0.01
+
+
+def random_profile(stages: int, options: int, seed: int) -> PipelineProfile:
+    """Options on whole units (so quantization is exact), energies not convex in time."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in range(stages):
+        for kind in ("forward", "backward"):
+            times = sorted(rng.choice(np.arange(2, 12), size=options, replace=False))
+            energy = float(rng.uniform(20, 40))
+            for i, t in enumerate(times):
+                # Slower is cheaper, by uneven steps (so the energy/time curve is not convex).
+                energy -= float(rng.uniform(0.5, 6.0))
+                rows.append((s, kind, 1000 + 100 * (options - i), t * UNIT, max(energy, 0.5)))
+    return PipelineProfile.from_rows(rows, name=f"random-{seed}")
+
+
+def brute_force(dag, profile: PipelineProfile, power: float) -> dict[int, float]:
+    """Least energy at each achievable iteration time (in units), by trying every combination."""
+    options = [profile.of(c.stage, c.kind) for c in dag.nodes]
+    preds = dag.predecessors()
+    best: dict[int, float] = {}
+    for combo in itertools.product(*options):
+        end = [0.0] * len(combo)
+        for v, o in enumerate(combo):
+            end[v] = max((end[u] for u in preds[v]), default=0.0) + o.time_s
+        t = max(end)
+        energy = sum(o.energy_j for o in combo) + power * (dag.stages * t - sum(o.time_s for o in combo))
+        key = round(t / UNIT)
+        if energy < best.get(key, math.inf):
+            best[key] = energy
+    # Least energy at or below each time.
+    out: dict[int, float] = {}
+    running = math.inf
+    for key in sorted(best):
+        running = min(running, best[key])
+        out[key] = running
+    return out
+
+
+CASES = [
+    ("1f1b", 2, 2, 3, 0.0, 1),
+    ("1f1b", 2, 2, 3, 40.0, 2),
+    ("gpipe", 2, 2, 3, 25.0, 3),
+    ("1f1b", 3, 2, 2, 10.0, 4),
+    ("gpipe", 2, 3, 2, 0.0, 5),
+    ("1f1b", 2, 3, 2, 60.0, 6),
+]
+
+
+@pytest.mark.parametrize(("schedule", "stages", "mbs", "options", "power", "seed"), CASES)
+def test_exact_frontier_matches_brute_force(schedule, stages, mbs, options, power, seed) -> None:
+    dag = build_dag(schedule, stages, mbs)
+    profile = random_profile(stages, options, seed)
+    truth = brute_force(dag, profile, power)
+    frontier = solve(dag, profile, power, UNIT, method="exact")
+    assert frontier.meta["method"] == "exact"
+    for key, energy in truth.items():
+        assert frontier.energy_at(key * UNIT + 1e-9) == pytest.approx(energy, rel=1e-9, abs=1e-9), key
+    # The fastest plan is the fastest possible, and nothing slower than the slowest useful one is listed.
+    assert frontier.min_time_s == pytest.approx(min(truth) * UNIT)
+    assert frontier.plans[-1].energy_j == pytest.approx(min(truth.values()))
+
+
+@pytest.mark.parametrize(("schedule", "stages", "mbs", "options", "power", "seed"), CASES)
+def test_fast_frontier_is_valid_and_close_to_exact(schedule, stages, mbs, options, power, seed) -> None:
+    dag = build_dag(schedule, stages, mbs)
+    profile = random_profile(stages, options, seed)
+    exact = solve(dag, profile, power, UNIT, method="exact")
+    fast = solve(dag, profile, power, UNIT, method="fast")
+    assert fast.meta["method"] == "fast"
+    assert fast.min_time_s == pytest.approx(exact.min_time_s)
+    gaps = []
+    for plan in fast.plans:
+        # Every reported plan is what evaluating its frequencies gives.
+        again = evaluate(dag, profile, plan.frequencies, power)
+        assert again.time_s == pytest.approx(plan.time_s)
+        assert again.energy_j == pytest.approx(plan.energy_j)
+        # Nothing beats the exact frontier.
+        assert plan.energy_j >= exact.energy_at(plan.time_s) - 1e-9
+    for plan in exact.plans:
+        gaps.append(fast.energy_at(plan.time_s + 1e-9) / plan.energy_j - 1)
+    assert max(gaps) < 0.08, gaps
+    assert np.mean(gaps) < 0.02, gaps
+
+
+def test_fast_on_a_realistic_pipeline_saves_energy_at_the_fastest_time() -> None:
+    dag = build_dag("1f1b", 4, 8)
+    profile = synthetic_profile(4, "a100", seed=3)
+    power = blocking_power_w("a100")
+    frontier = solve(dag, profile, power, 0.001)
+    assert frontier.meta["method"] == "fast"
+    top = frontier.max_frequency
+    assert frontier.min_time_s == pytest.approx(top.time_s, rel=1e-9)
+    assert frontier.fastest.energy_j < 0.92 * top.energy_j  # stages are unbalanced: slack to spend
+    times = [p.time_s for p in frontier.plans]
+    energies = [p.energy_j for p in frontier.plans]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert all(b < a for a, b in zip(energies, energies[1:], strict=False))
+    # One plan per half unit at least over the useful range.
+    assert len(frontier.plans) > (times[-1] - times[0]) / 0.001
+    # Straggler lookup: the least-energy plan no slower than asked.
+    t = times[0] + 0.3 * (times[-1] - times[0])
+    chosen = frontier.plan_for_time(t)
+    assert chosen.time_s <= t
+    assert chosen.energy_j == min(p.energy_j for p in frontier.plans if p.time_s <= t)
+    assert frontier.plan_for_time(0.0) is frontier.fastest
+
+
+def test_fast_method_is_as_good_as_a_sweep_of_uniform_frequencies() -> None:
+    """Any plan running every computation at one clock is on or above the frontier."""
+    dag = build_dag("1f1b", 3, 6)
+    profile = synthetic_profile(3, "h100", seed=5)
+    power = blocking_power_w("h100")
+    frontier = solve(dag, profile, power, 0.002)
+    for f in profile.frequencies()[::4]:
+        uniform = evaluate(dag, profile, [f] * len(dag.nodes), power)
+        assert frontier.energy_at(uniform.time_s) <= uniform.energy_j + 1e-9
+
+
+def test_pure_python_min_cut_gives_the_same_frontier(monkeypatch: pytest.MonkeyPatch) -> None:
+    dag = build_dag("1f1b", 3, 4)
+    profile = synthetic_profile(3, "v100", seed=2)
+    with_scipy = solve(dag, profile, 55.0, 0.002, method="fast")
+    monkeypatch.setattr(solver_module, "_csgraph", None)
+    without = solve(dag, profile, 55.0, 0.002, method="fast")
+    points = [(p.time_s, p.energy_j) for p in with_scipy.plans]
+    assert [(p.time_s, p.energy_j) for p in without.plans] == points
+
+
+def test_auto_picks_exact_only_for_small_problems() -> None:
+    small = build_dag("1f1b", 2, 2)
+    assert solve(small, random_profile(2, 3, 0), 0.0, UNIT).meta["method"] == "exact"
+    big = build_dag("1f1b", 4, 8)
+    assert solve(big, synthetic_profile(4, seed=1), 85.0, 0.005).meta["method"] == "fast"
+
+
+def test_problem_keeps_pareto_options_and_effective_energy() -> None:
+    dag = build_dag("1f1b", 1, 1)
+    rows = [
+        (0, "forward", 1400, 0.010, 5.0),
+        (0, "forward", 1200, 0.012, 4.0),
+        (0, "forward", 1100, 0.013, 4.5),  # slower and costlier than 1200: dropped
+        (0, "forward", 1000, 0.015, 3.0),
+        (0, "backward", 1400, 0.020, 9.0),
+    ]
+    p = Problem.build(dag, PipelineProfile.from_rows(rows), blocking_power_w=100.0, unit_time_s=0.001)
+    fwd = dag.stage_order[0][0]
+    assert [o.frequency for o in p.options[fwd]] == [1400, 1200, 1000]
+    assert p.durations[fwd] == [10, 12, 15]
+    assert p.costs[fwd] == pytest.approx([5.0 - 1.0, 4.0 - 1.2, 3.0 - 1.5])
+
+
+def test_bad_arguments_are_named() -> None:
+    dag = build_dag("1f1b", 2, 2)
+    profile = random_profile(2, 2, 0)
+    with pytest.raises(ValueError, match="method"):
+        solve(dag, profile, 0.0, UNIT, method="magic")
+    with pytest.raises(ValueError, match="unit time"):
+        solve(dag, profile, 0.0, 0.0)
+    with pytest.raises(ValueError, match="blocking power"):
+        solve(dag, profile, -1.0, UNIT)
+    with pytest.raises(PipelineProfileError, match="stage 2"):
+        solve(build_dag("1f1b", 3, 2), profile, 0.0, UNIT)
+
+
+def test_frontier_round_trips_through_json(tmp_path) -> None:
+    dag = build_dag("gpipe", 2, 3)
+    frontier = solve(dag, random_profile(2, 2, 9), 20.0, UNIT)
+    path = frontier.save(tmp_path)
+    back = Frontier.load(path)
+    assert back.plans == frontier.plans
+    assert back.max_frequency == frontier.max_frequency
+    assert back.dag.schedule == "gpipe" and back.dag.nodes == dag.nodes
+    rank = frontier.rank_plan(frontier.fastest, 1)
+    assert [(r["computation"], r["microbatch"]) for r in rank] == [
+        (dag.nodes[n].kind, dag.nodes[n].microbatch) for n in dag.stage_order[1]
+    ]
+
+
+def test_option_is_hashable_and_ordered() -> None:
+    assert sorted([Option(2, 1.0, 1.0), Option(1, 2.0, 2.0)])[0].frequency == 1
