@@ -25,7 +25,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
        the critical computations (Phillips-Dessouky; a computation crossed backwards is
        lengthened), each cut applied for as many units as it stays optimal (:class:`_Walker`
        keeps the flow between cuts).
-    2. For every iteration time from the fastest to the slowest useful one, every half unit,
+    2. For every iteration time from the fastest to the slowest useful one (where a unit less
+       starts to cost more than the blocked energy it saves), every half unit,
        the relaxed plan that fits is rounded down to real options (so the time still holds)
        and improved greedily: while a computation has float for a slower, cheaper option,
        the move saving the most is taken. All iteration times at once, with NumPy.
@@ -552,7 +553,7 @@ def _max_flow(
     """A maximum 0-1 flow, as a residual network; ``None`` when every cut is infinite.
 
     Capacities are scaled to integers so the finite ones sum below 2**30. SciPy's maximum flow
-    is used when installed, a pure-Python Dinic otherwise.
+    is used when installed, pure-Python augmenting paths otherwise.
 
     Returns:
         ``(residual network, edge index of each arc, scale)``.
@@ -747,6 +748,8 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
     states: list[list[int]] = []
     deadlines: list[int] = []
     cuts = 0
+    useful = False
+    blocked_per_unit = p.blocking_power_w * p.dag.stages * p.unit_time_s
     left = 0  # units the current cut may still be applied
     total = 0
     walker = _Walker(p, hulls, dur)
@@ -755,8 +758,9 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
     while m >= 0:
         target = t_min + m * every
         if horizon <= target:
-            states.append(list(dur))
-            deadlines.append(target)
+            if useful:
+                states.append(list(dur))
+                deadlines.append(target)
             m -= 1
             continue
         if left <= 0:
@@ -769,6 +773,12 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
             left, shorten, lengthen = step
             total = 0
             cuts += 1
+            if not useful:
+                # While a unit less costs less than the blocked energy it saves, slower plans
+                # are dominated (by the relaxation's reckoning): nothing to record yet.
+                price = sum(hulls[v].slope_down(dur[v]) for v in shorten)
+                price -= sum(hulls[v].slope_up(dur[v]) for v in lengthen)
+                useful = price >= blocked_per_unit
         j = min(left, horizon - target)  # stop at the next deadline if it comes first; the cut stays valid
         for v in shorten:
             dur[v] -= j
