@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - exercised where SciPy is absent
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
 PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
-SPAN_UNITS = 5  # hull segments shorter than this many units are merged
+SPAN_UNITS = 4  # hull segments shorter than this many units are merged
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
 HULL_TOLERANCE = 0.1  # neighbouring hull segments whose slopes differ by less than 10 % are merged
 _INF = 1 << 62
