@@ -140,19 +140,22 @@ def _energy(gpu: SimGPU, meter: Meter) -> float:
 
 
 @contextlib.contextmanager
-def _clock_kept(gpus: Sequence[SimGPU]) -> Iterator[None]:
-    """Put each GPU's SM clock lock back as it was, and leave the GPUs idle."""
-    before = [g.sm_clock_locked() for g in gpus]
+def _sim_guard(sim: Simulator, gpus: Sequence[SimGPU]) -> Iterator[RestoreGuard]:
+    """A guard over the simulated GPUs, restored (clocks back, GPUs idle) when the block ends.
+
+    Its journal goes to the default directory when the simulator keeps its state in a file
+    (so a killed process is healed like on real GPUs), to a temporary one otherwise.
+    """
+    journal_tmp = None if sim.state_file is not None else tempfile.mkdtemp(prefix="joules-pipeline-sim-")
+    guard = RestoreGuard(gpus, journal_dir=journal_tmp, handle_signals=False, recover_stale=False)
     try:
-        yield
+        yield guard
     finally:
-        for g, lock in zip(gpus, before, strict=True):
+        guard.restore()
+        for g in gpus:
             g.set_workload(Constant(0.0))
-            if lock is None:
-                if g.sm_clock_locked() is not None:
-                    g.reset_sm_clock()
-            elif g.sm_clock_locked() != lock:
-                g.lock_sm_clock(*lock)
+        if journal_tmp is not None:
+            shutil.rmtree(journal_tmp, ignore_errors=True)
 
 
 def default_frequencies(gpu: SimGPU, lowest_mhz: float | None = None, step: int = 1) -> list[float]:
@@ -180,9 +183,9 @@ def profile_simulated(
 ) -> PipelineProfile:
     """Measure every stage's forward and backward on its simulated GPU at each SM clock.
 
-    Stage ``s`` runs on ``sim.gpus[s]``. For each clock, the GPU's clock is locked, the
-    computation runs on the virtual clock, and its time and energy are recorded. Afterwards
-    each GPU has its previous clock lock back and is idle.
+    Stage ``s`` runs on ``sim.gpus[s]``. For each clock, the GPU's clock is locked (through a
+    :class:`~joules.devices.restore.RestoreGuard`), the computation runs on the virtual clock,
+    and its time and energy are recorded. Afterwards the clocks are reset and the GPUs idle.
 
     Args:
         sim: The simulator (on a virtual clock), or a SPEC to make one.
@@ -204,13 +207,13 @@ def profile_simulated(
         raise ValueError("no stage work to profile")
     gpus = _stage_gpus(sim, len(work))
     rows: list[tuple[int, str, int, float, float]] = []
-    with _clock_kept(gpus):
+    with _sim_guard(sim, gpus) as guard:
         for s, (gpu, w) in enumerate(zip(gpus, work, strict=True)):
             supported = gpu.supported_sm_clocks_mhz()
             clocks = (default_frequencies(gpu, lowest_mhz, step) if frequencies is None
                       else sorted({snap_frequency(float(f), supported) for f in frequencies}))
             for f in clocks:
-                gpu.lock_sm_clock(f, f)
+                guard.lock_sm_clock(gpu, f, f)
                 for kind in KINDS:
                     gpu.set_workload(Constant(w.utilization))
                     t = computation_time_s(gpu, w.work_s(kind), w.compute_fraction, w.utilization)
@@ -233,12 +236,11 @@ def measure_blocking_power_w(sim: Simulator, stages: int | None = None, probe_s:
         probe_s: How long to measure, s (virtual time).
     """
     gpus = _stage_gpus(sim, len(sim.gpus) if stages is None else stages)
-    with _clock_kept(gpus):
-        for g in gpus:
-            g.set_workload(Constant(0.0))
-        e0 = [g.true_energy_j() for g in gpus]
-        sim.advance(probe_s)
-        e1 = [g.true_energy_j() for g in gpus]
+    for g in gpus:
+        g.set_workload(Constant(0.0))
+    e0 = [g.true_energy_j() for g in gpus]
+    sim.advance(probe_s)
+    e1 = [g.true_energy_j() for g in gpus]
     return sum(b - a for a, b in zip(e0, e1, strict=True)) / (probe_s * len(gpus))
 
 
@@ -352,16 +354,12 @@ def execute(
     if len(work) != dag.stages:
         raise ValueError(f"got work for {len(work)} stages; the pipeline has {dag.stages}")
     gpus = _stage_gpus(sim, dag.stages)
-    own_guard: RestoreGuard | None = None
-    journal_tmp: str | None = None
-    try:
+    with contextlib.ExitStack() as stack:
         if controllers is None:
             if plan is None:
                 raise ValueError("execute needs a plan or controllers")
             per_stage = _per_stage(dag, plan)
-            if sim.state_file is None:
-                journal_tmp = tempfile.mkdtemp(prefix="joules-pipeline-sim-")
-            own_guard = RestoreGuard(gpus, journal_dir=journal_tmp, handle_signals=False, recover_stale=False)
+            own_guard = stack.enter_context(_sim_guard(sim, gpus))
             ctls = [FrequencyController(g, ins, guard=own_guard)
                     for g, ins in zip(gpus, per_stage, strict=True)]
         else:
@@ -376,11 +374,6 @@ def execute(
                 for c, ins in zip(ctls, _per_stage(dag, plan), strict=True):
                     c.set_plan(ins)
         return _run(dag, sim, gpus, work, ctls, iterations, meter)
-    finally:
-        if own_guard is not None:
-            own_guard.restore()
-        if journal_tmp is not None:
-            shutil.rmtree(journal_tmp, ignore_errors=True)
 
 
 def _run(
