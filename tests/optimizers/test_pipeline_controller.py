@@ -317,3 +317,97 @@ def test_sigkill_mid_plan_is_healed_later(job, how: str) -> None:
         assert "SM clock unlocked" in r.stdout
     assert _lock(state) is None
     assert journals(jdir) == []
+
+
+# -- asynchronous locking ----------------------------------------------------------------------
+
+def test_asynchronous_locks_land_in_the_background_and_restore_stops_the_thread(
+        sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    ctl = FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True)
+    for ins in PLAN:
+        kind, mb, f = str(ins["computation"]), int(ins["microbatch"]), float(ins["frequency"])  # type: ignore[call-overload, arg-type]
+        assert ctl.on_instruction_begin(kind, mb) == f
+        ctl.flush(timeout=10)
+        assert gpu.sm_clock_locked() == (f, f)
+        ctl.on_instruction_end(kind, mb)
+    assert ctl.stats.locks_applied == 3 and ctl.stats.locks_skipped == 1  # 1200 twice in a row
+    thread = ctl._thread
+    assert thread is not None and thread.is_alive()
+    ctl.restore()
+    assert gpu.sm_clock_locked() is None
+    assert not thread.is_alive()
+    ctl.on_instruction_begin("forward", 0)  # goes on after a restore, with a new thread
+    ctl.flush(timeout=10)
+    assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+    ctl.restore()
+
+
+def test_asynchronous_begin_does_not_wait_for_a_slow_driver(
+        sim: Simulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    gpu = sim.gpus[0]
+    ctl = FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True)
+    assert ctl.guard is not None
+    release = threading.Event()
+    entered = threading.Event()
+    real = ctl.guard.lock_sm_clock
+
+    def slow(g, lo, hi):  # type: ignore[no-untyped-def]
+        entered.set()
+        assert release.wait(10)
+        real(g, lo, hi)
+
+    monkeypatch.setattr(ctl.guard, "lock_sm_clock", slow)
+    ctl.on_instruction_begin("forward", 0)  # returns although the driver call is stuck
+    assert entered.wait(10)
+    assert gpu.sm_clock_locked() is None
+    ctl.on_instruction_begin("forward", 1)  # 1200: posted while 1410 is being applied...
+    ctl.on_instruction_begin("backward", 1)  # ...and superseded by 1005 before it lands
+    assert ctl.stats.locks_dropped == 1
+    release.set()
+    ctl.flush(timeout=10)
+    assert gpu.sm_clock_locked() == (1005.0, 1005.0)  # the latest clock asked for
+    assert [r.frequency_mhz for r in ctl.records] == [1410.0, 1005.0]
+    ctl.restore()
+    assert gpu.sm_clock_locked() is None
+
+
+def test_asynchronous_permission_error_reaches_the_training_thread(tmp_path: Path) -> None:
+    from joules.devices.sim.gpu import SimGPU
+
+    sim = Simulator("A100")
+    locked = SimGPU(sim.gpus[0].model, sim.clock, index=0, allow_control=False)
+    ctl = FrequencyController(locked, PLAN, journal_dir=tmp_path, asynchronous=True)
+    ctl.on_instruction_begin("forward", 0)
+    with pytest.raises(DevicePermissionError, match="SYS_ADMIN"):
+        ctl.flush(timeout=10)
+    assert locked.sm_clock_locked() is None
+    ctl.restore()
+
+
+ASYNC_CHILD = textwrap.dedent("""
+    import json, sys
+    from joules.devices.sim import Simulator
+    from joules.optimizers.pipeline.controller import FrequencyController
+
+    sim = Simulator("A100", state_file=sys.argv[1])
+    ctl = FrequencyController(sim.gpus[0], json.loads(sys.argv[2]), asynchronous=True)
+    ctl.on_instruction_begin("forward", 1)
+    ctl.flush(timeout=10)
+    print("locked", sim.gpus[0].sm_clock_locked(), flush=True)
+    ctl.on_instruction_begin("backward", 1)  # posted, and the program ends without restoring
+""")
+
+
+def test_asynchronous_job_ending_without_restore_leaves_no_lock(tmp_path: Path) -> None:
+    state = tmp_path / "sim-state.json"
+    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
+    env.pop("JOULES_SIM", None)
+    r = subprocess.run([sys.executable, "-c", ASYNC_CHILD, str(state), json.dumps(PLAN)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "locked (1200.0, 1200.0)\n"
+    assert _lock(state) is None  # the worker stopped before the guard's exit handler restored
+    assert journals(tmp_path / "joules-state" / "restore") == []

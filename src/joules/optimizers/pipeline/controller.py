@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,7 @@ class ControllerStats:
         iterations: Times the plan's last instruction ended.
         plan_switches: Calls of :meth:`FrequencyController.set_plan`.
         restores: Times the clock was reset through the guard.
+        locks_dropped: With ``asynchronous``, clocks superseded before they were applied.
     """
 
     instructions: int = 0
@@ -164,6 +166,7 @@ class ControllerStats:
     iterations: int = 0
     plan_switches: int = 0
     restores: int = 0
+    locks_dropped: int = 0
 
     def to_dict(self) -> dict[str, int]:
         """JSON-friendly form."""
@@ -199,6 +202,12 @@ class FrequencyController:
         handle_signals: Whether the default guard restores on SIGINT and SIGTERM too.
         recover_stale: Whether the default guard first resets what killed jobs left locked.
         keep_records: Keep at most this many :attr:`records` (the oldest are dropped).
+        asynchronous: Lock clocks from a background thread, so that
+            :meth:`on_instruction_begin` never waits for the driver: it only posts the clock
+            wanted, and the thread applies the latest one (a clock superseded before it was
+            applied is dropped, counted in ``stats.locks_dropped``). An error there (e.g. no
+            permission) is raised by the next call. :meth:`flush` waits until the clock wanted
+            is in place; :meth:`restore` stops the thread first.
 
     Raises:
         PlanError: ``instructions`` is empty or malformed.
@@ -216,8 +225,16 @@ class FrequencyController:
         handle_signals: bool = True,
         recover_stale: bool = True,
         keep_records: int = 10_000,
+        asynchronous: bool = False,
     ) -> None:
         self.gpu = gpu
+        self.asynchronous = asynchronous and not dry_run
+        self._cond = threading.Condition()
+        self._wanted: tuple[Kind, int, float] | None = None
+        self._busy = False
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
         self.dry_run = dry_run
         self.strict = strict
         self.stats = ControllerStats()
@@ -353,6 +370,7 @@ class FrequencyController:
                 the next one in the plan's order).
             DevicePermissionError: The clock cannot be locked; the GPU is unchanged.
         """
+        self._raise_pending()
         kind = normalize_kind(computation)
         i = self._lookup(kind, microbatch)
         expected = self._next % len(self._plan)
@@ -372,8 +390,80 @@ class FrequencyController:
         if mhz == self._locked_mhz:
             self.stats.locks_skipped += 1
             return mhz
-        self._lock(kind, int(microbatch), mhz)
+        if self.asynchronous:
+            self._post(kind, int(microbatch), mhz)
+        else:
+            self._lock(kind, int(microbatch), mhz)
         return mhz
+
+    # -- asynchronous locking ---------------------------------------------------------------
+    def _post(self, kind: Kind, microbatch: int, mhz: float) -> None:
+        with self._cond:
+            if self._wanted is not None:
+                self.stats.locks_dropped += 1
+            self._wanted = (kind, microbatch, mhz)
+            self._locked_mhz = mhz
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                # Not a daemon: at interpreter exit it is joined before the guard's exit handler
+                # restores the clock, so no lock can land after that restore.
+                self._thread = threading.Thread(target=self._work, name=f"joules-clock-gpu{self.gpu.index}")
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while self._wanted is None and not self._stopping:
+                    self._cond.wait(0.1)
+                    if not threading.main_thread().is_alive():  # the program is ending
+                        self._stopping = True
+                if self._wanted is None:
+                    return
+                wanted, self._wanted = self._wanted, None
+                self._busy = True
+            try:
+                self._lock(*wanted)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                with self._cond:
+                    self._error = e
+                    self._locked_mhz = None
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            with self._cond:
+                error, self._error = self._error, None
+            if error is not None:
+                raise error
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the clock last asked for is in place (a no-op unless asynchronous).
+
+        Raises:
+            DevicePermissionError: (or what else locking raised) from the background thread.
+            TimeoutError: Still not in place after ``timeout`` seconds.
+        """
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._wanted is None and not self._busy, timeout)
+        self._raise_pending()
+        if not done:
+            raise TimeoutError(f"GPU {self.gpu.index}: clock lock still pending after {timeout} s")
+
+    def _stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._wanted = None  # a clock not applied yet is not wanted any more
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join()
+        self._thread = None
 
     def on_instruction_end(self, computation: str, microbatch: int) -> None:
         """Note that ``computation`` of ``microbatch`` ended (the clock stays until the next begins).
@@ -409,7 +499,8 @@ class FrequencyController:
                     f"{_PERMISSION_FIX}. The clock was not changed."
                 ) from None
             self._record(LockRecord(kind, microbatch, mhz, applied=True))
-        self._locked_mhz = mhz
+        if not self.asynchronous:
+            self._locked_mhz = mhz  # (asynchronous: set when posted, a newer one may be waiting)
         self.stats.locks_applied += 1
 
     def _record(self, record: LockRecord) -> None:
@@ -428,6 +519,7 @@ class FrequencyController:
         Returns:
             The guard's error lines (empty when everything was restored, and in a dry run).
         """
+        self._stop()
         self._locked_mhz = None
         if self.guard is None:
             return []
