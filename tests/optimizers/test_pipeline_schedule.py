@@ -109,6 +109,16 @@ def test_profile_errors_name_the_line_and_field(tmp_path, text, message) -> None
         PipelineProfile.from_csv(path)
 
 
+def test_profile_from_numpy_rows_writes_a_csv_that_reads_back(tmp_path) -> None:
+    import numpy as np
+
+    rows = [(0, "forward", np.int64(1410), np.float64(0.03), np.float64(9.0)),
+            (0, "backward", np.int64(1410), np.float64(0.06), np.float64(18.0))]
+    p = PipelineProfile.from_rows(rows)
+    p.to_csv(tmp_path / "p.csv")
+    assert PipelineProfile.from_csv(tmp_path / "p.csv").options == p.options
+
+
 def test_missing_profile_and_missing_stage() -> None:
     with pytest.raises(PipelineProfileError, match="not found"):
         PipelineProfile.from_csv("/nonexistent/profile.csv")

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from joules.optimizers.pipeline import solver as solver_module
-from joules.optimizers.pipeline.frontier import Frontier, evaluate
+from joules.optimizers.pipeline.frontier import Frontier, PlanError, evaluate
 from joules.optimizers.pipeline.profile import (
-    Option,
     PipelineProfile,
     PipelineProfileError,
     blocking_power_w,
@@ -103,8 +102,9 @@ def test_fast_frontier_is_valid_and_close_to_exact(schedule, stages, mbs, option
         assert plan.energy_j >= exact.energy_at(plan.time_s) - 1e-9
     for plan in exact.plans:
         gaps.append(fast.energy_at(plan.time_s + 1e-9) / plan.energy_j - 1)
-    assert max(gaps) < 0.08, gaps
-    assert np.mean(gaps) < 0.02, gaps
+    # Measured: at most 2.5 % and 0.43 % on average on these DAGs (docs/pipeline.md).
+    assert max(gaps) < 0.03, gaps
+    assert np.mean(gaps) < 0.005, gaps
 
 
 def test_fast_on_a_realistic_pipeline_saves_energy_at_the_fastest_time() -> None:
@@ -201,5 +201,19 @@ def test_frontier_round_trips_through_json(tmp_path) -> None:
     ]
 
 
-def test_option_is_hashable_and_ordered() -> None:
-    assert sorted([Option(2, 1.0, 1.0), Option(1, 2.0, 2.0)])[0].frequency == 1
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.update(plans=["x"]), "a plan is str"),
+    (lambda d: d["plans"][0].update(frequencies=[1410]), "1 frequencies for 12"),
+    (lambda d: d.pop("stages"), "KeyError"),
+    (lambda d: d.update(plans=[]), "no plans"),
+])
+def test_malformed_frontier_files_are_refused(tmp_path, change, message) -> None:
+    import json
+
+    frontier = solve(build_dag("gpipe", 2, 3), random_profile(2, 2, 9), 20.0, UNIT)
+    data = frontier.to_dict()
+    change(data)
+    (tmp_path / "frontier.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        Frontier.load(tmp_path)

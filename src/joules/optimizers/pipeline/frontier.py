@@ -206,7 +206,8 @@ class Frontier:
             dag = build_dag(str(data["schedule"]), int(data["stages"]), int(data["microbatches"]))  # type: ignore[arg-type]
 
             def plan(d: object) -> Plan:
-                assert isinstance(d, dict)
+                if not isinstance(d, dict):
+                    raise PlanError(f"malformed frontier: a plan is {type(d).__name__}, not an object")
                 freqs = tuple(int(f) for f in d["frequencies"])
                 if len(freqs) != len(dag.nodes):
                     raise PlanError(f"a plan has {len(freqs)} frequencies for {len(dag.nodes)} computations")
@@ -225,7 +226,7 @@ class Frontier:
                 profile_name=str(data.get("profile", "")),
                 meta=dict(data.get("meta") or {}),  # type: ignore[call-overload]
             )
-        except (KeyError, TypeError, ValueError, AssertionError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanError):
                 raise
             raise PlanError(f"malformed frontier: {type(e).__name__}: {e}") from None

@@ -118,7 +118,8 @@ class PipelineProfile:
             raise PipelineProfileError(f"profile {name!r} has no rows")
         grouped: dict[tuple[int, str], list[Option]] = {}
         for (stage, instruction, frequency), (t, e, n) in sums.items():
-            grouped.setdefault((stage, instruction), []).append(Option(frequency, t / n, e / n))
+            option = Option(int(frequency), float(t / n), float(e / n))  # plain numbers, even from numpy
+            grouped.setdefault((stage, instruction), []).append(option)
         return cls({k: tuple(sorted(v)) for k, v in sorted(grouped.items())}, name=name)
 
     @classmethod

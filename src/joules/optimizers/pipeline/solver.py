@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from joules.optimizers.pipeline.frontier import Frontier, Plan, option_table, plan_of
+from joules.optimizers.pipeline.frontier import Frontier, Plan, option_table, plan_of, timeline
 from joules.optimizers.pipeline.profile import Option, PipelineProfile, pareto_front
 from joules.optimizers.pipeline.schedule import PipelineDAG
 
@@ -96,7 +96,8 @@ class Problem:
         """Quantize ``profile``'s options for ``dag``.
 
         Options are first reduced to the time / effective-energy Pareto front, then times are
-        rounded to whole units, and of options sharing a rounded time the cheapest is kept.
+        rounded down to whole units; of options sharing a unit the fastest is kept (its time is
+        the one the unit describes best).
         """
         if not unit_time_s > 0:
             raise ValueError(f"unit time must be positive (got {unit_time_s})")
@@ -133,16 +134,9 @@ class Problem:
         """Number of option combinations (as a float; it can be astronomically large)."""
         return math.prod(float(len(d)) for d in self.durations)
 
-    def makespan(self, choice: Sequence[int]) -> int:
-        """Longest path in units when node ``n`` runs option ``choice[n]``."""
-        end = [0] * len(choice)
-        for v, k in enumerate(choice):
-            end[v] = max((end[u] for u in self.preds[v]), default=0) + self.durations[v][k]
-        return max(end, default=0)
-
-    def cost(self, choice: Sequence[int]) -> float:
-        """Sum of effective energies, J."""
-        return sum(self.costs[n][k] for n, k in enumerate(choice))
+    def makespan(self, durations: Sequence[int]) -> int:
+        """Longest path in units with node ``v`` taking ``durations[v]`` units."""
+        return round(timeline(self.dag, durations).time_s)
 
     def plan(self, choice: Sequence[int]) -> Plan:
         """The real plan of ``choice``."""
@@ -263,7 +257,7 @@ class _MaxFlow:
             if parent[t] == -1:
                 self.seen = [x != -1 for x in parent]  # what s reaches: the source side of a minimum cut
                 return total
-            f = _PY_INF
+            f = _INF
             v = t
             while v != s:
                 e = parent[v]
@@ -276,7 +270,7 @@ class _MaxFlow:
                 cap[e ^ 1] += f
                 v = to[e ^ 1]
             total += f
-            if total >= _PY_INF // 2:
+            if total >= _INF // 2:
                 return total
 
     def reachable(self, s: int) -> list[bool]:
@@ -324,9 +318,6 @@ def _repeats(p: Problem, dur: list[int], shorten: list[int], lengthen: list[int]
     return limit
 
 
-_PY_INF = 1 << 62
-
-
 class _Walker:
     """The relaxation walk: repeated least-cost cuts, with the maximum flow kept between cuts.
 
@@ -334,10 +325,12 @@ class _Walker:
     (SciPy when installed). Between rebuilds the network is kept: when a shortened computation
     reaches a hull vertex, only the capacity of shortening it further grows, so the previous
     flow stays feasible and a few augmenting paths restore a maximum flow, from which the next
-    cut is read. The kept network may still hold paths that stopped being critical; cutting
-    them too is wasteful but never wrong, and the makespan then only shrinks faster than tracked.
-    A rebuild happens when a cut lengthens a computation, when a non-critical path could catch
-    up (``budget``), or when no finite cut is left in the kept network.
+    cut is read (:meth:`applied` moves a computation's flow between its own arcs when its
+    capacities change). When a non-critical path could catch up (``budget`` runs out), what
+    became critical is added with zero flow (:meth:`refresh`). The kept network may still hold
+    paths that stopped being critical; cutting them too is wasteful but never wrong, and the
+    makespan then only shrinks faster than tracked. A rebuild happens when a computation's flow
+    cannot be kept, or when no finite cut is left in the kept network.
     """
 
     def __init__(self, p: Problem, hulls: list[_Hull], dur: list[int]) -> None:
@@ -346,7 +339,6 @@ class _Walker:
         self.refresh_due = False
         self.rebuilds = 0
         self.refreshes = 0
-        self.warm = 0
 
     def _times(self) -> tuple[list[int], list[int], int, int]:
         """Earliest starts, latest finishes, makespan, and the least float off the critical paths."""
@@ -464,12 +456,12 @@ class _Walker:
             g.n += 1
         edge_of = []
         for u, v, c in zip(au, av, ac, strict=True):
-            edge_of.append(g.add(u, v, _PY_INF if c == math.inf else int(c * scale)))
+            edge_of.append(g.add(u, v, _INF if c == math.inf else int(c * scale)))
         for v, i in added:
             self.arc_edge[v] = (edge_of[i], edge_of[i + 1], edge_of[i + 2])
         self.horizon, self.budget = horizon, budget
         self.refresh_due = False
-        if g.augment(0, 1) >= _PY_INF // 2:
+        if g.augment(0, 1) >= _INF // 2:
             return self.rebuild()
         return self._cut(g.seen, first=True)
 
@@ -501,8 +493,7 @@ class _Walker:
             if step is not None:
                 return step
         elif not self.stale:
-            self.warm += 1
-            if self.graph.augment(0, 1) >= _PY_INF // 2:
+            if self.graph.augment(0, 1) >= _INF // 2:
                 self.stale = True
             else:
                 step = self._cut(self.graph.seen)
@@ -533,7 +524,7 @@ class _Walker:
             lo = min(up, down)
             io, it, so = self.arc_edge[v]
             lo_int = int(lo * scale)
-            io_int = _PY_INF if down == math.inf else int((down - lo) * scale)
+            io_int = _INF if down == math.inf else int((down - lo) * scale)
             f_io, f_it, f_so = cap[io ^ 1], cap[it ^ 1], cap[so ^ 1]
             into, out = f_io + f_it, f_io + f_so  # flow entering in(v), leaving out(v): kept
             low = max(0, max(into, out) - lo_int)
@@ -580,7 +571,7 @@ def _max_flow(
     big = (1 << 31) - 1
     ints = np.where(infinite, big, np.floor(np.where(infinite, 0.0, c_arr) * scale)).astype(np.int64)
     g = _MaxFlow(n)
-    py_caps = [(_PY_INF if c == big else c) for c in ints.tolist()]
+    py_caps = [(_INF if c == big else c) for c in ints.tolist()]
     edge_of = [g.add(u, v, c) for u, v, c in zip(au, av, py_caps, strict=True)]
     if _csgraph is not None:
         sp, cs = _csgraph
@@ -672,12 +663,13 @@ def solve(
         dag: The pipeline (:func:`~joules.optimizers.pipeline.schedule.build_dag`).
         profile: Time and energy of each computation at each frequency.
         blocking_power_w: Power of a GPU blocked on communication, W.
-        unit_time_s: Time unit; iteration times are planned in whole units.
+        unit_time_s: Resolution of the frontier: the exact method rounds times down to whole
+            units, the fast method makes a plan every half unit of iteration time.
         method: ``"auto"``, ``"fast"`` or ``"exact"`` (see the module docs).
 
     Returns:
-        The frontier, fastest plan first. ``meta`` holds the method used, the number of
-        relaxation steps and, for ``"fast"``, the relaxation's lower bound at the fastest time.
+        The frontier, fastest plan first. ``meta`` holds the method used and, for ``"fast"``,
+        the number of cuts, network rebuilds and refreshes, and iteration times planned.
 
     Raises:
         PipelineProfileError: The profile lacks a stage or instruction.
@@ -697,9 +689,8 @@ def solve(
     if method == "fast":
         fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
         grid = max(1, round(unit_time_s / FINE_UNIT_S))
-        rows, _, info = _fast(fine, grid, max(1, grid // PLANS_PER_UNIT))
+        plans, info = _fast(fine, grid, max(1, grid // PLANS_PER_UNIT))
         meta.update(info)
-        plans = _evaluate_rows(fine, rows)
     meta["method"] = method
     table = option_table(dag, profile)
     top = [max(opts.values(), key=lambda o: o.frequency) for opts in table]
@@ -717,7 +708,7 @@ def solve(
     )
 
 
-def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, dict[str, object]]:
+def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, object]]:
     """Relaxation walk and rounding on a fine-grained problem.
 
     Args:
@@ -727,8 +718,7 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
         every: One plan per ``every`` fine units of iteration time.
 
     Returns:
-        ``(choices, deadlines, info)``: option indices (rows x nodes) improved at their
-        deadlines (fine units), and statistics.
+        ``(plans, info)``: the plans made (not yet filtered), and statistics.
     """
     n = len(p.durations)
     shared: dict[int, _Hull] = {}
@@ -738,11 +728,10 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
         if key not in shared:
             shared[key] = _Hull(p.durations[v], p.costs[v], HULL_TOLERANCE, grid * SPAN_UNITS)
         hulls.append(shared[key])
-    fastest = [0] * n
-    t_min = p.makespan(fastest)
+    t_min = p.makespan([ds[0] for ds in p.durations])
     dur = [h.xs[-1] for h in hulls]
-    horizon = max(_ends(p, dur))
-    # Deadlines t_min + m * grid, walked from the slowest down; each gets the first relaxed
+    horizon = p.makespan(dur)
+    # Deadlines t_min + m * every, walked from the slowest down; each gets the first relaxed
     # state whose makespan fits it.
     m = (horizon - t_min) // every
     states: list[list[int]] = []
@@ -796,8 +785,8 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[np.ndarray, np.ndarray, di
     # Rounding down can overshoot nothing (each duration only shrinks), so every row meets its
     # deadline; the greedy pass then spends what rounding left.
     rows = batch.improve(rows, limits)
-    return rows, limits, {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
-                          "refreshes": walker.refreshes, "deadlines": len(deadlines)}
+    return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
+                               "refreshes": walker.refreshes, "deadlines": len(deadlines)}
 
 
 class _Batch:
@@ -829,7 +818,6 @@ class _Batch:
         ]
         sizes = [len(ds) for ds in p.durations]
         self.offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self.count = np.array(sizes, dtype=np.int64)
         span = self.span = max((ds[-1] for ds in p.durations), default=0) + 2
         # Durations made increasing across nodes (node v shifted by v * span) for one searchsorted.
         self.flat_d = np.concatenate([np.asarray(ds, dtype=np.int64) for ds in p.durations])
@@ -863,6 +851,25 @@ class _Batch:
         """Longest path of each row."""
         return self.earliest_ends(dur).max(axis=1)
 
+    def plans(self, rows: np.ndarray) -> list[Plan]:
+        """Real plans (times from the profile, not rounded) of option-index rows, each once."""
+        rows = np.unique(rows, axis=0)
+        p = self.p
+        times = np.empty(rows.shape, dtype=np.float64)
+        energies = np.empty(rows.shape, dtype=np.float64)
+        freqs = np.empty(rows.shape, dtype=np.int64)
+        for v in range(self.n):
+            opts = p.options[v]
+            times[:, v] = np.array([o.time_s for o in opts])[rows[:, v]]
+            energies[:, v] = np.array([o.energy_j for o in opts])[rows[:, v]]
+            freqs[:, v] = np.array([o.frequency for o in opts])[rows[:, v]]
+        iteration = self.makespan(times)
+        total = energies.sum(axis=1) + p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
+        return [
+            Plan(tuple(f), float(t), float(e))
+            for f, t, e in zip(freqs.tolist(), iteration.tolist(), total.tolist(), strict=True)
+        ]
+
     def improve(self, choice: np.ndarray, deadline: np.ndarray) -> np.ndarray:
         """Greedily move computations to slower, cheaper options while each row's deadline holds.
 
@@ -892,33 +899,6 @@ class _Batch:
             rows, best, idx = rows[moving], best[moving], idx[moving]
             choice[rows, best] = k2[idx, best]
         return choice
-
-
-def _evaluate_rows(p: Problem, rows: np.ndarray) -> list[Plan]:
-    """Real plans (times from the profile, not rounded) of option-index rows."""
-    rows = np.unique(rows, axis=0)
-    n = len(p.durations)
-    times = np.empty(rows.shape, dtype=np.float64)
-    energies = np.empty(rows.shape, dtype=np.float64)
-    freqs = np.empty(rows.shape, dtype=np.int64)
-    for v in range(n):
-        opts = p.options[v]
-        times[:, v] = np.array([o.time_s for o in opts])[rows[:, v]]
-        energies[:, v] = np.array([o.energy_j for o in opts])[rows[:, v]]
-        freqs[:, v] = np.array([o.frequency for o in opts])[rows[:, v]]
-    iteration = _Batch(p).makespan(times)
-    total = energies.sum(axis=1) + p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
-    return [
-        Plan(tuple(f), float(t), float(e))
-        for f, t, e in zip(freqs.tolist(), iteration.tolist(), total.tolist(), strict=True)
-    ]
-
-
-def _ends(p: Problem, dur: list[int]) -> list[int]:
-    end = [0] * len(dur)
-    for v in range(len(dur)):
-        end[v] = max((end[u] for u in p.preds[v]), default=0) + dur[v]
-    return end
 
 
 def _lower_envelope(plans: list[Plan]) -> list[Plan]:
