@@ -76,6 +76,12 @@ class NoTemperature(JoulesPolicy):
     temperature = 1.0
 
 
+class DownFirst(JoulesPolicy):
+    """joules exploring downwards first whatever the default's epochs (as the original)."""
+
+    up_first_fraction = 0.0
+
+
 POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules": make_policy,
     "nsdi23": lambda c: make_policy(PolicyConfig(**{**c.__dict__, "variant": "nsdi23"})),
@@ -85,6 +91,7 @@ ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules - trend": NoTrend,
     "joules - per-epoch model": LogCostModel,
     "joules - temperature": NoTemperature,
+    "joules - up first": DownFirst,
 }
 
 

@@ -50,7 +50,8 @@ def test_make_policy_and_bad_configs() -> None:
                       ({"default_batch_size": 48}, "not one of batch_sizes"),
                       ({"batch_sizes": (32, 32, 64)}, "distinct"),
                       ({"batch_sizes": ()}, "empty"),
-                      ({"eta": 1.5}, "eta"), ({"beta": 1.0}, "beta"), ({"window_size": -1}, "window_size")]:
+                      ({"eta": 1.5}, "eta"), ({"beta": 1.0}, "beta"), ({"window_size": -1}, "window_size"),
+                      ({"max_epochs": 0}, "max_epochs")]:
         with pytest.raises(ValueError, match=match):
             make_policy(config(kw.pop("variant", "nsdi23"), **kw))  # type: ignore[arg-type]
 
@@ -122,6 +123,31 @@ def test_joules_ends_a_direction_before_a_candidate_the_rising_trend_predicts_co
     assert 8 not in order(JoulesPolicy(config("joules")))
     no_trend = type("NoTrend", (JoulesPolicy,), {"extrapolate": False})(config("joules"))
     assert order(no_trend)[:6] == [64, 32, 16, 8, 128, 256]
+
+
+def test_joules_explores_upwards_first_and_to_the_end_when_the_default_needed_few_epochs() -> None:
+    # The default (64) needs 10 of 100 epochs: room above it. Upwards first and to the end,
+    # though 128 costs more than 1.2 x 64's (it needed an unlucky 20 epochs); then downwards
+    # from the default, whose cost is now more than 1.2 x the best's (256): not started.
+    costs = {8: 9.0, 16: 9.0, 32: 9.0, 64: 10.0, 128: 13.0, 256: 4.0}
+    epochs = {8: 10, 16: 10, 32: 10, 64: 10, 128: 20, 256: 10}
+
+    def order(**kw: object) -> list[tuple[int, str]]:
+        policy = make_policy(config("joules", **kw))
+        state = policy.initial_state()
+        seen = []
+        for _ in range(5):
+            state, d = policy.next_trial(state)
+            seen.append((d.batch_size, d.phase))
+            state = policy.observe(state, result(d.batch_size, costs, epochs[d.batch_size]))
+        return seen
+
+    up_first = [(64, "explore"), (128, "explore"), (256, "explore"), (256, "exploit"), (256, "exploit")]
+    assert order(max_epochs=100) == up_first
+    # Unknown max epochs, or a default that needed more than a third of them: downwards first,
+    # and the cost of 128 ends the upward direction.
+    for kw in ({}, {"max_epochs": 25}):
+        assert [b for b, _ in order(**kw)[:5]] == [64, 32, 16, 8, 128]
 
 
 def noisy_job(bs: int, rng: np.random.Generator) -> TrialResult:

@@ -109,6 +109,8 @@ def _check_config(config: PolicyConfig) -> None:
         raise ValueError(f"prior_precision must be finite and not negative, got {config.prior_precision:g}")
     if config.prior_mean is not None and not math.isfinite(config.prior_mean):
         raise ValueError(f"prior_mean must be finite, got {config.prior_mean:g}")
+    if config.max_epochs is not None and (not isinstance(config.max_epochs, int) or config.max_epochs < 1):
+        raise ValueError(f"max_epochs must be a positive integer, got {config.max_epochs!r}")
 
 
 # -- the random generator, kept in the state ---------------------------------------------------
@@ -452,6 +454,7 @@ class JoulesPolicy(_BasePolicy):
     spread_prior_weight = 1.0
     extrapolate = True
     temperature = 0.5
+    up_first_fraction = 1 / 3
 
     def _initial(self) -> dict[str, Any]:
         return {"status": {}}  # batch size (str) -> ok/failed/pending; absent: not explored
@@ -514,14 +517,17 @@ class JoulesPolicy(_BasePolicy):
         up = [start, *(b for b in self.batch_sizes if b > start)]
         free: int | None = None
         ahead: set[int] = set()
-        for order, first in ((down, 0), (up, 1)):
+        directions = [(down, 0, True), (up, 1, True)]
+        if self._up_first(state):  # upwards first, and to the end (or a failure)
+            directions = [(up, 1, False), (down, 0, True)]
+        for order, first, judged in directions:
             for i in range(first, len(order)):
                 b = order[i]
                 s = status.get(str(b))
                 if s == _OK:
                     continue
                 if s is None:
-                    prev = order[i - 1] if i else None
+                    prev = order[i - 1] if i and judged else None
                     if not (prev is None or status.get(str(prev)) != _OK or est[prev] <= bound):
                         break  # past a batch size that costs too much: the direction ends
                     if (self.extrapolate and prev is not None and status.get(str(prev)) == _OK
@@ -538,6 +544,23 @@ class JoulesPolicy(_BasePolicy):
                         ahead.add(c)
                 break
         return free, ahead
+
+    def _up_first(self, state: PolicyState) -> bool:
+        """Whether the default's trial left room for larger batch sizes: explore upwards first.
+
+        Larger batch sizes usually need more epochs to reach the target. A default that needed
+        most of ``max_epochs`` leaves little room above it, so the pass goes downwards first (as
+        the original); one that reached the target within ``up_first_fraction`` of them goes
+        upwards first. Decided on the default's first trial that reached the target.
+        """
+        max_epochs = self.config.max_epochs
+        if max_epochs is None or self.up_first_fraction <= 0:
+            return False
+        start = self.config.default_batch_size
+        for b, outcome, _, epochs in state["history"]:
+            if b == start and outcome == TrialOutcome.REACHED:
+                return 0 < epochs <= self.up_first_fraction * max_epochs
+        return False
 
     def _predicted(self, prev: int, b: int, est: dict[int, float], status: dict[str, str]) -> float:
         """``b``'s log cost extrapolated from the trend of the two steps before it (``-inf``: none).

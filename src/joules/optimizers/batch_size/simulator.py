@@ -200,7 +200,7 @@ def simulate(
     oracle = oracle_config(job, eta)
     pol = factory(PolicyConfig(
         batch_sizes=job.batch_sizes, default_batch_size=job.spec.default_batch_size, eta=eta, beta=beta,
-        window_size=window_size, seed=seed, variant=policy,
+        window_size=window_size, seed=seed, max_epochs=job.spec.max_epochs, variant=policy,
     ))
     state = pol.initial_state()
     rng = np.random.default_rng([seed, 0x5EED])

@@ -47,6 +47,8 @@ class PolicyConfig:
         prior_mean: Prior mean of the cost; ``None`` for an uninformative prior.
         prior_precision: Prior precision (1 / variance) of the cost mean; 0 is uninformative.
         seed: Seed of the policy's random generator (``None``: from entropy).
+        max_epochs: Epochs after which a trial fails (``None``: unknown). ``joules`` uses it
+            to choose which direction to explore first.
         variant: ``"joules"`` (default, improvements on) or ``"nsdi23"`` (the original policy).
     """
 
@@ -58,6 +60,7 @@ class PolicyConfig:
     prior_mean: float | None = None
     prior_precision: float = 0.0
     seed: int | None = None
+    max_epochs: int | None = None
     variant: str = "joules"
 
 

@@ -115,6 +115,7 @@ def policy_config(spec: JobCreate) -> PolicyConfig:
         prior_mean=spec.prior_mean,
         prior_precision=spec.prior_precision,
         seed=spec.seed,
+        max_epochs=spec.max_epochs,
         variant=spec.policy,
     )
 
