@@ -96,11 +96,11 @@ ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
 
 
 def run_joules(job: JobTrace, factory: Callable[[PolicyConfig], Policy], seeds: list[int], eta: float,
-               beta: float) -> dict[str, Any]:
+               beta: float, stop_before: bool = True) -> dict[str, Any]:
     runs = {}
     t0 = time.perf_counter()
     for seed in seeds:
-        r = simulate(job, seed=seed, eta=eta, beta=beta, factory=factory)
+        r = simulate(job, seed=seed, eta=eta, beta=beta, factory=factory, stop_before=stop_before)
         runs[str(seed)] = {**{k: r.to_dict()[k] for k in ("energy_j", "time_s", "cost")},
                            "trials": len(r.trials)}
     return {"runs": runs, "wall_s": time.perf_counter() - t0}
@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--beta", type=float, default=2.0)
     ap.add_argument("--gpus", default=None, help="comma-separated (default: every power trace)")
     ap.add_argument("--ablation", action="store_true", help="also joules with one part turned off")
+    ap.add_argument("--stop-after", action="store_true",
+                    help="joules' simulator stops a trial after the epoch that crossed the stop cost")
     ap.add_argument("--no-zeus", action="store_true", help="skip the original (Zeus) simulator")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the raw results")
     args = ap.parse_args()
@@ -173,7 +175,7 @@ def main() -> int:
             row: dict[str, Any] = {"gpu": job.gpu, "workload": job.spec.workload,
                                    "recurrences": job.default_recurrences(), "policies": {}}
             for name, factory in policies.items():
-                res = run_joules(job, factory, seeds, args.eta, args.beta)
+                res = run_joules(job, factory, seeds, args.eta, args.beta, not args.stop_after)
                 summarize(res, job, args.eta)
                 row["policies"][name] = res
             rows.append(row)
