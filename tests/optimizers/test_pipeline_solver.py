@@ -217,3 +217,20 @@ def test_malformed_frontier_files_are_refused(tmp_path, change, message) -> None
     (tmp_path / "frontier.json").write_text(json.dumps(data))
     with pytest.raises(PlanError, match=message):
         Frontier.load(tmp_path)
+
+
+def test_walk_starts_at_the_least_energy_relaxed_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The A40's slowest clocks still save effective energy: walking from the slowest plan
+    # passes many cuts before a unit less is worth its blocked energy. The LP start skips them
+    # and gives the same range of iteration times and nearly the same energies.
+    dag = build_dag("1f1b", 4, 8)
+    profile = synthetic_profile(4, "a40", seed=2)
+    power = blocking_power_w("a40")
+    started = solve(dag, profile, power, 0.002, method="fast")
+    monkeypatch.setattr(solver_module, "_linprog", None)
+    walked = solve(dag, profile, power, 0.002, method="fast")
+    assert started.meta["relaxation_cuts"] < 0.5 * walked.meta["relaxation_cuts"]
+    assert started.fastest.time_s == walked.fastest.time_s
+    assert started.plans[-1].time_s == pytest.approx(walked.plans[-1].time_s, abs=0.002)
+    for p in walked.plans:
+        assert started.energy_at(p.time_s) == pytest.approx(p.energy_j, rel=0.005)

@@ -20,7 +20,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
 ``"fast"``
     1. The convex relaxation, in microseconds: each computation's options are replaced by
        the lower convex hull of (time, effective energy), neighbouring segments with nearly
-       equal slopes or a short span merged. It is walked from the slowest plan to the
+       equal slopes or a short span merged. It is walked from the relaxed plan of least
+       energy (a linear program; the slowest plan without SciPy or blocking power) to the
        fastest by shortening every critical path at least cost per unit, a minimum cut over
        the critical computations (Phillips-Dessouky; a computation crossed backwards is
        lengthened), each cut applied for as many units as it stays optimal (:class:`_Walker`
@@ -29,7 +30,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
        starts to cost more than the blocked energy it saves), every half unit,
        the relaxed plan that fits is rounded down to real options (so the time still holds)
        and improved greedily: while a computation has float for a slower, cheaper option,
-       the move saving the most is taken. All iteration times at once, with NumPy.
+       the move saving the most is taken. Each plan is also improved again at the next slower
+       time (a second candidate there). All iteration times at once, with NumPy.
     3. The frontier is the lower envelope of these plans, evaluated with real times.
 
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
@@ -51,13 +53,15 @@ from joules.optimizers.pipeline.frontier import Frontier, Plan, option_table, pl
 from joules.optimizers.pipeline.profile import Option, PipelineProfile, pareto_front
 from joules.optimizers.pipeline.schedule import PipelineDAG
 
-try:  # SciPy's compiled maximum flow is much faster than the pure-Python fallback
+try:  # SciPy's compiled maximum flow is much faster than the pure-Python fallback; its LP skips a walk
     import scipy.sparse as _sp
     import scipy.sparse.csgraph as _cs
+    from scipy.optimize import linprog as _linprog
 
     _csgraph: tuple[object, object] | None = (_sp, _cs)
 except ImportError:  # pragma: no cover - exercised where SciPy is absent
     _csgraph = None
+    _linprog = None
 
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
@@ -741,6 +745,14 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     blocked_per_unit = p.blocking_power_w * p.dag.stages * p.unit_time_s
     left = 0  # units the current cut may still be applied
     total = 0
+    if blocked_per_unit > 0:
+        # Skip the part of the walk slower than the least-energy relaxed plan: it records nothing.
+        start = _useful_start(p, hulls, blocked_per_unit)
+        if start is not None:
+            dur[:] = start
+            horizon = p.makespan(dur)
+            useful = True
+            m = min(m, (horizon - t_min) // every)
     walker = _Walker(p, hulls, dur)
     shorten: list[int] = []
     lengthen: list[int] = []
@@ -785,8 +797,66 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     # Rounding down can overshoot nothing (each duration only shrinks), so every row meets its
     # deadline; the greedy pass then spends what rounding left.
     rows = batch.improve(rows, limits)
+    # Each plan, improved again at the next slower iteration time, is a second candidate there:
+    # a greedy pass from a different start (the frontier keeps whichever is better).
+    again = batch.improve(rows[1:], limits[:-1])
+    rows = np.vstack([rows, again[(again != rows[1:]).any(axis=1)]])
     return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
                                "refreshes": walker.refreshes, "deadlines": len(deadlines)}
+
+
+def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> list[int] | None:
+    """Durations of the relaxed plan of least energy (effective energy + blocked energy), by LP.
+
+    Where the walk passes it, a unit less starts to cost at least the blocked energy it saves:
+    every slower state of the walk is dominated, so the walk can start there. The LP (HiGHS,
+    through SciPy) has per computation its duration, an epigraph variable above each hull
+    segment and a start time, and the iteration time, weighted by the blocked energy per unit.
+
+    Returns:
+        The durations (rounded to units, within each hull), or ``None`` without SciPy or when
+        the LP fails; the walk then starts from the slowest plan.
+    """
+    if _linprog is None:
+        return None
+    n = len(hulls)
+    scale = 1e-3  # LP time in thousands of units, to keep coefficients near 1
+    # Variables: d (n), c (n), s (n), T.
+    D, C, S, T = 0, n, 2 * n, 3 * n
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    rhs: list[float] = []
+    r = 0
+    for v, h in enumerate(hulls):
+        for k, slope in enumerate(h.slopes):  # c_v >= ys[k] - slope * (d_v - xs[k])
+            rows += [r, r]
+            cols += [C + v, D + v]
+            vals += [-1.0, -slope / scale]
+            rhs.append(-h.ys[k] - slope * h.xs[k])
+            r += 1
+    for v in range(n):
+        for w in p.succs[v]:  # s_v + d_v <= s_w
+            rows += [r, r, r]
+            cols += [S + v, D + v, S + w]
+            vals += [1.0, 1.0, -1.0]
+            rhs.append(0.0)
+            r += 1
+        rows += [r, r, r]  # s_v + d_v <= T
+        cols += [S + v, D + v, T]
+        vals += [1.0, 1.0, -1.0]
+        rhs.append(0.0)
+        r += 1
+    a = _sp.coo_matrix((vals, (rows, cols)), shape=(r, 3 * n + 1)).tocsr()
+    cost = np.zeros(3 * n + 1)
+    cost[C:C + n] = 1.0
+    cost[T] = blocked_per_unit / scale
+    bounds = ([(h.xs[0] * scale, h.xs[-1] * scale) for h in hulls] + [(None, None)] * n
+              + [(0, None)] * n + [(None, None)])
+    res = _linprog(cost, A_ub=a, b_ub=np.asarray(rhs), bounds=bounds, method="highs")
+    if res.status != 0:
+        return None
+    return [min(max(round(x / scale), h.xs[0]), h.xs[-1]) for x, h in zip(res.x[:n], hulls, strict=True)]
 
 
 class _Batch:
