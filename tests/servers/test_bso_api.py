@@ -102,7 +102,9 @@ def test_joules_policy_runs_a_job(bso_server: Served) -> None:
                     break
             c.post(f"/jobs/{job}/trials/{t['trial_id']}/end")
         state = c.get(f"/jobs/{job}").json()
-    assert sizes[0] == 64  # exploration starts at the default
+    # Exploration starts at the default, which reached the target in 2 of 6 epochs (a third):
+    # the job's max_epochs reaches the policy, which explores upwards first, and to the end.
+    assert sizes[:3] == [64, 128, 256]
     assert state["best_batch_size"] == 64 and state["trials"]["ended"] == 6
     assert set(state["explored"]) <= {"32", "64", "128", "256"}
     view = db_view(bso_server.db, job)
