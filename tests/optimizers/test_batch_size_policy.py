@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from joules.optimizers.batch_size.policy import JoulesPolicy, NSDI23Policy, make_policy
-from joules.optimizers.batch_size.types import PolicyConfig, PolicyState, TrialOutcome, TrialResult
+from joules.optimizers.batch_size.types import Policy, PolicyConfig, PolicyState, TrialOutcome, TrialResult
 
 R, M, E, A = TrialOutcome.REACHED, TrialOutcome.MAX_EPOCHS, TrialOutcome.EARLY_STOPPED, TrialOutcome.ABORTED
 
@@ -31,15 +31,20 @@ def result(bs: int, costs: dict[int, float | None] = COSTS, epochs: int = 10) ->
     return TrialResult(bs, R, cost, epochs=epochs)
 
 
-def run(variant: str, trials: int, **kw: object) -> tuple[list[tuple[int, str]], PolicyState]:
-    policy = make_policy(config(variant, **kw))
+def drive(policy: Policy, trials: int, costs: dict[int, float | None] = COSTS,
+          epochs: dict[int, int] | None = None) -> tuple[list[tuple[int, str]], PolicyState]:
+    """Run ``trials`` trials one after another: the (batch size, phase) handed out, and the state."""
     state = policy.initial_state()
     seen = []
     for _ in range(trials):
         state, d = policy.next_trial(state)
         seen.append((d.batch_size, d.phase))
-        state = policy.observe(state, result(d.batch_size))
+        state = policy.observe(state, result(d.batch_size, costs, epochs[d.batch_size] if epochs else 10))
     return seen, state
+
+
+def run(variant: str, trials: int, **kw: object) -> tuple[list[tuple[int, str]], PolicyState]:
+    return drive(make_policy(config(variant, **kw)), trials)
 
 
 def test_make_policy_and_bad_configs() -> None:
@@ -80,44 +85,28 @@ def test_joules_explores_once_and_stops_a_direction_at_a_costly_batch_size() -> 
     assert [p for _, p in seen] == ["explore"] * 4 + ["exploit"] * 2
     costly = {8: 2.0, 16: 2.0, 32: 30.0, 64: 10.0, 128: 9.0, 256: 20.0}
     policy = make_policy(config("joules"))
-    state = policy.initial_state()
-    order = []
-    for _ in range(5):
-        state, d = policy.next_trial(state)
-        order.append(d.batch_size)
-        state = policy.observe(state, result(d.batch_size, costly))
+    seen, state = drive(policy, 5, costly)
     # 32 costs 3x the best: the downward direction stops there (16 and 8 are never tried,
     # though cheap), 32 stays a candidate; upwards 256 costs > 1.15 x 128's: stop there.
-    assert order[:4] == [64, 32, 128, 256]
+    assert [b for b, _ in seen[:4]] == [64, 32, 128, 256]
     assert policy.summary(state).explored == {32: "ok", 64: "ok", 128: "ok", 256: "ok"}
     assert policy.summary(state).surviving == [32, 64, 128, 256]
     # A default far costlier than a smaller batch size: the upward direction is not started.
     costly = {8: None, 16: 30.0, 32: 10.0, 64: 30.0, 128: 1.0, 256: 1.0}
-    state = policy.initial_state()
-    order = []
-    for _ in range(6):
-        state, d = policy.next_trial(state)
-        order.append((d.batch_size, d.phase))
-        state = policy.observe(state, result(d.batch_size, costly))
+    order, _ = drive(policy, 6, costly)
     assert order[:3] == [(64, "explore"), (32, "explore"), (16, "explore")]
     assert all(p == "exploit" and b in (16, 32, 64) for b, p in order[3:])
 
 
 def test_joules_ends_a_direction_before_a_candidate_the_rising_trend_predicts_costly() -> None:
-    # Downwards the cost rises on two steps (64: 10, 32: 10.8, 16: 11.9): the trend, linear in
-    # log batch size, predicts 11.9^2 / 10.8 = 13.1 for 8, above 1.15 x 10; 8 is never tried,
+    # Downwards the cost rises on two steps (64: 10, 32: 10.5, 16: 11.2): the trend, linear in
+    # log batch size, predicts 11.2^2 / 10.5 = 11.9 for 8, above 1.15 x 10; 8 is never tried,
     # though 16 itself is within the bound. Upwards the cost fell before rising (32 -> 64 ->
     # 128): no trend, so 256 is tried (and fails).
     costs = {8: 14.0, 16: 11.2, 32: 10.5, 64: 10.0, 128: 10.5, 256: None}
 
     def order(policy: JoulesPolicy) -> list[int]:
-        state = policy.initial_state()
-        seen = []
-        for _ in range(7):
-            state, d = policy.next_trial(state)
-            seen.append(d.batch_size)
-            state = policy.observe(state, result(d.batch_size, costs))
-        return seen
+        return [b for b, _ in drive(policy, 7, costs)[0]]
 
     assert order(JoulesPolicy(config("joules")))[:5] == [64, 32, 16, 128, 256]
     assert 8 not in order(JoulesPolicy(config("joules")))
@@ -133,14 +122,7 @@ def test_joules_explores_upwards_first_and_to_the_end_when_the_default_needed_fe
     epochs = {8: 10, 16: 10, 32: 10, 64: 10, 128: 20, 256: 10}
 
     def order(**kw: object) -> list[tuple[int, str]]:
-        policy = make_policy(config("joules", **kw))
-        state = policy.initial_state()
-        seen = []
-        for _ in range(5):
-            state, d = policy.next_trial(state)
-            seen.append((d.batch_size, d.phase))
-            state = policy.observe(state, result(d.batch_size, costs, epochs[d.batch_size]))
-        return seen
+        return drive(make_policy(config("joules", **kw)), 5, costs, epochs)[0]
 
     up_first = [(64, "explore"), (128, "explore"), (256, "explore"), (256, "exploit"), (256, "exploit")]
     assert order(max_epochs=100) == up_first
