@@ -82,9 +82,8 @@ def test_plan_json_is_the_summary_and_nothing_else(fake_solver, profile_csv: Pat
     (dag, profile, power, unit), = fake_solver
     assert (dag.schedule, dag.stages, dag.microbatches, power, unit) == ("gpipe", 3, 4, 85.0, 0.002)
     expected = two_point_frontier(dag, profile, 85.0, 0.002)
+    assert len(expected.plans) == 2  # the stand-in's two plans, both printed
     assert summary == json.loads(json.dumps(expected.summary()))
-    assert summary["energy_at_min_time_j"] <= summary["max_frequency_energy_j"]
-    assert [p["time_s"] for p in summary["points"]] == sorted(p["time_s"] for p in summary["points"])
 
 
 def test_plan_writes_frontier_rank_files_profile_copy_and_picture(fake_solver, profile_csv: Path,
@@ -304,3 +303,14 @@ def test_plan_and_show_with_the_solver(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     assert (tmp_path / "slow.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_with_large_noise_stays_positive_and_plans(tmp_path) -> None:
+    out = tmp_path / "noisy.csv"
+    assert main(["pipeline", "profile", "--gpu", "a100", "--stages", "2", "--noise", "0.5",
+                 "--out", str(out)]) == 0
+    profile = PipelineProfile.from_csv(out)  # every time and energy read back as positive
+    options = [o for s in range(2) for k in ("forward", "backward") for o in profile.of(s, k)]
+    assert min(min(o.time_s, o.energy_j) for o in options) > 0
+    assert main(["pipeline", "plan", "--profile", str(out), "--stages", "2", "--microbatches", "2",
+                 "--out", str(tmp_path / "plans")]) == 0

@@ -631,6 +631,10 @@ def test_run_takes_longer_under_a_lower_power_limit():
     assert 1.1 < slow < 2.0
     half = sim.step_time_s(1.0, compute_fraction=0.5)
     assert half == pytest.approx(0.5 + 0.5 * slow)
+    # Per GPU: only the limited one is slow.
+    assert sim.gpus[1].step_time_s(1.0) == pytest.approx(slow)
+    assert sim.gpus[0].step_time_s(1.0) == pytest.approx(1.0)
+    assert sim.gpus[1].step_time_s(1.0, compute_fraction=0.0) == 1.0
     t0 = sim.clock.now()
     assert sim.run(2.0) == pytest.approx(2 * slow)
     assert sim.clock.now() - t0 == pytest.approx(2 * slow)

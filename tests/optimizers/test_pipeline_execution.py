@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from joules.devices.restore import RestoreGuard
@@ -181,6 +182,10 @@ def test_bad_arguments(setup) -> None:
         execute(dag, plan, sim, work, iterations=0)
     with pytest.raises(ValueError, match="utilization"):
         StageWork(0.01, 0.02, utilization=0.0)
-    per_node = execute(dag, list(plan.frequencies), sim, work)
-    per_stage = execute(dag, stage_instructions(dag, plan.frequencies), sim, work)
-    assert per_node.energy_j == pytest.approx(per_stage.energy_j)
+    with pytest.raises(PlanError, match="instructions for 3 stages"):
+        execute(dag, stage_instructions(dag, plan.frequencies)[:3], sim, work)
+    # A plan given per computation (a list or a NumPy array) or per stage runs as promised.
+    freqs = plan.frequencies
+    for form in (list(freqs), np.array(freqs), stage_instructions(dag, freqs)):
+        r = execute(dag, form, sim, work)
+        assert close(r.energy_j, plan.energy_j) and close(r.time_s, plan.time_s)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from joules.optimizers.pipeline import solver as solver_module
-from joules.optimizers.pipeline.frontier import Frontier, PlanError, evaluate
+from joules.optimizers.pipeline.frontier import Frontier, Plan, PlanError, evaluate
 from joules.optimizers.pipeline.profile import (
     PipelineProfile,
     PipelineProfileError,
@@ -181,8 +181,9 @@ def test_bad_arguments_are_named() -> None:
         solve(dag, profile, 0.0, UNIT, method="magic")
     with pytest.raises(ValueError, match="unit time"):
         solve(dag, profile, 0.0, 0.0)
-    with pytest.raises(ValueError, match="blocking power"):
-        solve(dag, profile, -1.0, UNIT)
+    for power in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="blocking power"):
+            solve(dag, profile, power, UNIT, method="fast")
     with pytest.raises(PipelineProfileError, match="stage 2"):
         solve(build_dag("1f1b", 3, 2), profile, 0.0, UNIT)
 
@@ -199,6 +200,8 @@ def test_frontier_round_trips_through_json(tmp_path) -> None:
     assert [(r["computation"], r["microbatch"]) for r in rank] == [
         (dag.nodes[n].kind, dag.nodes[n].microbatch) for n in dag.stage_order[1]
     ]
+    with pytest.raises(PlanError, match="1 frequencies for 12 computations"):
+        frontier.rank_plan(Plan((1410,), 1.0, 1.0), 0)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -207,6 +210,7 @@ def test_frontier_round_trips_through_json(tmp_path) -> None:
     (lambda d: d["plans"][0].update(frequencies=[1410]), "1 frequencies for 12"),
     (lambda d: d.pop("stages"), "KeyError"),
     (lambda d: d.update(plans=[]), "no plans"),
+    (lambda d: d["plans"].reverse(), "plan 1 is not slower and cheaper than plan 0"),
 ])
 def test_malformed_frontier_files_are_refused(tmp_path, change, message) -> None:
     import json

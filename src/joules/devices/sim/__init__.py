@@ -129,11 +129,7 @@ class Simulator:
         """
         if work_s < 0 or not 0.0 <= compute_fraction <= 1.0:
             raise ValueError("work_s must be >= 0 and compute_fraction within [0, 1]")
-        speed = min(
-            (g.relative_speed(g.utilization() if utilization is None else utilization) for g in self.gpus),
-            default=1.0,
-        )
-        return work_s * ((1.0 - compute_fraction) + compute_fraction / max(speed, 1e-9))
+        return max((g.step_time_s(work_s, compute_fraction, utilization) for g in self.gpus), default=work_s)
 
     def run(self, work_s: float, compute_fraction: float = 1.0, utilization: float | None = None) -> float:
         """Advance a virtual clock through ``work_s`` of work (see :meth:`step_time_s`); return the time."""

@@ -219,6 +219,19 @@ class SimGPU(GPU):
                 f = min(f, m.max_sm_mhz * _speed_for(room, m.voltage_floor))
             return f / m.max_sm_mhz
 
+    def step_time_s(self, work_s: float, compute_fraction: float = 1.0,
+                    utilization: float | None = None) -> float:
+        """How long ``work_s`` seconds of full-speed work take on this GPU at its limit and clock.
+
+        A ``compute_fraction`` of the work scales with the SM clock, the rest (memory- or
+        input-bound) does not. The clock is the one the current workload gets (or the one at
+        ``utilization``).
+        """
+        if work_s < 0 or not 0.0 <= compute_fraction <= 1.0:
+            raise ValueError("work_s must be >= 0 and compute_fraction within [0, 1]")
+        speed = self.relative_speed(self.utilization() if utilization is None else utilization)
+        return work_s * ((1.0 - compute_fraction) + compute_fraction / max(speed, 1e-9))
+
     # -- GPU interface: energy and power ----------------------------------------------------
     def has_energy_counter(self) -> bool:
         return self.model.energy_counter

@@ -45,10 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("joules.pipeline")
 
-_PERMISSION_FIX = (
-    "locking GPU clocks needs root or the SYS_ADMIN capability (e.g. run the job with sudo, or in a "
-    "container started with --cap-add SYS_ADMIN); pass dry_run=True to only check the plan"
-)
 _ALIASES: dict[str, Kind] = {
     "forward": "forward", "fwd": "forward", "f": "forward",
     "backward": "backward", "bwd": "backward", "b": "backward",
@@ -494,9 +490,9 @@ class FrequencyController:
             try:
                 self.guard.lock_sm_clock(self.gpu, mhz, mhz)
             except DevicePermissionError as e:
+                # The device layer's message names the GPU and how to get the permission.
                 raise DevicePermissionError(
-                    f"cannot lock the SM clock of GPU {self.gpu.index} ({self.gpu.name}): {e}. "
-                    f"{_PERMISSION_FIX}. The clock was not changed."
+                    f"{e} (or pass dry_run=True to only check the plan); the clock was not changed"
                 ) from None
             self._record(LockRecord(kind, microbatch, mhz, applied=True))
         if not self.asynchronous:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import numbers
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,7 +47,7 @@ from joules.optimizers.pipeline.controller import (
     Instruction,
     snap_frequency,
 )
-from joules.optimizers.pipeline.frontier import Plan, PlanError
+from joules.optimizers.pipeline.frontier import Plan, PlanError, stage_instructions
 from joules.optimizers.pipeline.profile import PipelineProfile
 from joules.optimizers.pipeline.schedule import KINDS, PipelineDAG
 
@@ -113,15 +114,6 @@ def stage_work(
         f = forward_s * (1.0 + imbalance * float(rng.uniform(-1.0, 1.0)))
         out.append(StageWork(f, f * backward_ratio, compute_fraction, utilization))
     return out
-
-
-def computation_time_s(gpu: SimGPU, work_s: float, compute_fraction: float, utilization: float) -> float:
-    """How long ``work_s`` of highest-clock work takes on ``gpu`` at its current clock, s.
-
-    Like :meth:`Simulator.step_time_s <joules.devices.sim.Simulator.step_time_s>`, for one GPU.
-    """
-    speed = gpu.relative_speed(utilization)
-    return work_s * ((1.0 - compute_fraction) + compute_fraction / max(speed, 1e-9))
 
 
 def _stage_gpus(sim: Simulator, stages: int) -> list[SimGPU]:
@@ -216,7 +208,7 @@ def profile_simulated(
                 guard.lock_sm_clock(gpu, f, f)
                 for kind in KINDS:
                     gpu.set_workload(Constant(w.utilization))
-                    t = computation_time_s(gpu, w.work_s(kind), w.compute_fraction, w.utilization)
+                    t = gpu.step_time_s(w.work_s(kind), w.compute_fraction, w.utilization)
                     e0 = _energy(gpu, meter)
                     sim.advance(t)
                     e1 = _energy(gpu, meter)
@@ -242,17 +234,6 @@ def measure_blocking_power_w(sim: Simulator, stages: int | None = None, probe_s:
     sim.advance(probe_s)
     e1 = [g.true_energy_j() for g in gpus]
     return sum(b - a for a, b in zip(e0, e1, strict=True)) / (probe_s * len(gpus))
-
-
-def stage_instructions(dag: PipelineDAG, frequencies: Sequence[int]) -> list[list[dict[str, object]]]:
-    """Each stage's instructions for the per-node ``frequencies`` (as ``Frontier.rank_plan`` gives them)."""
-    if len(frequencies) != len(dag.nodes):
-        raise PlanError(f"plan has {len(frequencies)} frequencies for {len(dag.nodes)} computations")
-    return [
-        [{"computation": dag.nodes[n].kind, "microbatch": dag.nodes[n].microbatch,
-          "frequency": int(frequencies[n])} for n in order]
-        for order in dag.stage_order
-    ]
 
 
 @dataclass(frozen=True)
@@ -302,7 +283,7 @@ def _per_stage(dag: PipelineDAG, plan: PlanLike) -> list[Sequence[Mapping[str, o
     if isinstance(plan, Plan):
         return list(stage_instructions(dag, plan.frequencies))
     items = list(plan)
-    if items and all(isinstance(x, int | float) and not isinstance(x, bool) for x in items):
+    if items and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in items):
         return list(stage_instructions(dag, [int(x) for x in items]))  # type: ignore[arg-type]
     if len(items) != dag.stages:
         raise PlanError(f"got instructions for {len(items)} stages; the pipeline has {dag.stages}")
@@ -423,8 +404,8 @@ def _iteration(
     gpus: Sequence[SimGPU],
     work: Sequence[StageWork],
     ctls: Sequence[FrequencyController],
-    preds: list[list[int]],
-    succs: list[list[int]],
+    preds: Sequence[Sequence[int]],
+    succs: Sequence[Sequence[int]],
     busy: list[float],
 ) -> tuple[list[float], list[float]]:
     """Run one iteration from now; add each stage's busy time to ``busy``; return node starts and ends."""
@@ -449,7 +430,7 @@ def _iteration(
         w = work[s]
         ctls[s].on_instruction_begin(c.kind, c.microbatch)
         gpus[s].set_workload(Constant(w.utilization))
-        dur = computation_time_s(gpus[s], w.work_s(c.kind), w.compute_fraction, w.utilization)
+        dur = gpus[s].step_time_s(w.work_s(c.kind), w.compute_fraction, w.utilization)
         now = clock.now()
         start[node] = now - t0
         end[node] = now - t0 + dur
@@ -483,6 +464,6 @@ def _iteration(
 
 
 __all__ = [
-    "ExecutionResult", "StageWork", "computation_time_s", "default_frequencies", "execute",
+    "ExecutionResult", "StageWork", "default_frequencies", "execute",
     "measure_blocking_power_w", "profile_simulated", "stage_instructions", "stage_work",
 ]

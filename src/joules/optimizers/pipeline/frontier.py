@@ -83,15 +83,25 @@ def evaluate(
     Raises:
         PlanError: Wrong length, or a frequency the profile lacks for that computation.
     """
+    return plan_of(dag, chosen_options(dag, profile, frequencies), blocking_power_w)
+
+
+def chosen_options(dag: PipelineDAG, profile: PipelineProfile, frequencies: Sequence[int]) -> list[Option]:
+    """The profiled option of each node at ``frequencies[node]``.
+
+    Raises:
+        PipelineProfileError: The profile does not cover the pipeline's stages.
+        PlanError: Wrong length, or a frequency the profile lacks for that computation.
+    """
     table = option_table(dag, profile)
     if len(frequencies) != len(dag.nodes):
         raise PlanError(f"plan has {len(frequencies)} frequencies for {len(dag.nodes)} computations")
     chosen: list[Option] = []
     for node, (opts, f) in enumerate(zip(table, frequencies, strict=True)):
         if f not in opts:
-            raise PlanError(f"no profiled {f} MHz option for {dag.nodes[node]}")
+            raise PlanError(f"profile {profile.name!r} has no {f} MHz option for {dag.nodes[node]}")
         chosen.append(opts[f])
-    return plan_of(dag, chosen, blocking_power_w)
+    return chosen
 
 
 def plan_of(dag: PipelineDAG, chosen: Sequence[Option], blocking_power_w: float) -> Plan:
@@ -101,6 +111,21 @@ def plan_of(dag: PipelineDAG, chosen: Sequence[Option], blocking_power_w: float)
     busy = sum(o.time_s for o in chosen)
     energy = sum(o.energy_j for o in chosen) + blocking_power_w * (dag.stages * t - busy)
     return Plan(tuple(o.frequency for o in chosen), t, energy)
+
+
+def stage_instructions(dag: PipelineDAG, frequencies: Sequence[int]) -> list[list[dict[str, object]]]:
+    """Each stage's instructions, in order, for the per-computation ``frequencies``.
+
+    Raises:
+        PlanError: ``frequencies`` does not have one entry per computation.
+    """
+    if len(frequencies) != len(dag.nodes):
+        raise PlanError(f"plan has {len(frequencies)} frequencies for {len(dag.nodes)} computations")
+    return [
+        [{"computation": dag.nodes[n].kind, "microbatch": dag.nodes[n].microbatch,
+          "frequency": int(frequencies[n])} for n in order]
+        for order in dag.stage_order
+    ]
 
 
 @dataclass
@@ -158,14 +183,7 @@ class Frontier:
         """What stage ``stage``'s GPU runs, in order: ``{"computation", "microbatch", "frequency"}``."""
         if not 0 <= stage < self.dag.stages:
             raise PlanError(f"stage {stage} out of range (the pipeline has {self.dag.stages})")
-        return [
-            {
-                "computation": self.dag.nodes[n].kind,
-                "microbatch": self.dag.nodes[n].microbatch,
-                "frequency": plan.frequencies[n],
-            }
-            for n in self.dag.stage_order[stage]
-        ]
+        return stage_instructions(self.dag, plan.frequencies)[stage]
 
     def summary(self) -> dict[str, object]:
         """The CLI's ``--json`` summary."""
@@ -216,6 +234,10 @@ class Frontier:
             plans = [plan(p) for p in data["plans"]]  # type: ignore[attr-defined]
             if not plans:
                 raise PlanError("the frontier has no plans")
+            for i in range(1, len(plans)):
+                if not (plans[i].time_s > plans[i - 1].time_s and plans[i].energy_j < plans[i - 1].energy_j):
+                    raise PlanError(f"malformed frontier: plan {i} is not slower and cheaper than "
+                                    f"plan {i - 1} (plans go fastest first, energy decreasing)")
             return cls(
                 dag=dag,
                 plans=plans,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
-from joules.optimizers.pipeline.frontier import Plan, PlanError, option_table, timeline
+from joules.optimizers.pipeline.frontier import Plan, PlanError, chosen_options, timeline
 from joules.optimizers.pipeline.profile import PipelineProfile
 from joules.optimizers.pipeline.schedule import Computation, PipelineDAG
 
@@ -83,15 +83,7 @@ def schedule_boxes(dag: PipelineDAG, profile: PipelineProfile, plan: Plan) -> li
         PipelineProfileError: The profile does not cover the pipeline's stages.
         PlanError: The plan does not fit the DAG, or uses a frequency the profile lacks.
     """
-    table = option_table(dag, profile)
-    if len(plan.frequencies) != len(dag.nodes):
-        raise PlanError(f"plan has {len(plan.frequencies)} frequencies for {len(dag.nodes)} computations")
-    durations: list[float] = []
-    for node, (opts, f) in enumerate(zip(table, plan.frequencies, strict=True)):
-        if f not in opts:
-            raise PlanError(f"profile {profile.name!r} has no {f} MHz option for {dag.nodes[node]}")
-        durations.append(opts[f].time_s)
-    tl = timeline(dag, durations)
+    tl = timeline(dag, [o.time_s for o in chosen_options(dag, profile, plan.frequencies)])
     return [
         Box(node, c, plan.frequencies[node], tl.start_s[node], tl.end_s[node])
         for node, c in enumerate(dag.nodes)

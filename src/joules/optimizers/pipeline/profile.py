@@ -255,8 +255,9 @@ def synthetic_profile(
 
     Each stage's forward takes about ``forward_time_s`` at the highest clock, each stage
     differing by up to ``imbalance`` (a stage's share of layers never splits evenly), and
-    backward takes ``backward_ratio`` times as long. ``noise`` adds relative Gaussian noise
-    to every time and energy (as measurements have).
+    backward takes ``backward_ratio`` times as long. ``noise`` multiplies every time and
+    energy by log-normal noise (as measurements have; relative standard deviation about
+    ``noise`` when small, and never a value of 0 or below).
 
     Args:
         stages: Number of stages.
@@ -265,7 +266,7 @@ def synthetic_profile(
         backward_ratio: Backward time over forward time.
         imbalance: Relative spread of stage times.
         lowest_mhz: Lowest clock profiled (lower clocks are rarely worth it).
-        noise: Relative standard deviation of measurement noise.
+        noise: Standard deviation of the log of the measurement noise (about the relative one).
         seed: Random seed.
     """
     try:
@@ -280,9 +281,9 @@ def synthetic_profile(
             base = forward_time_s * scale * ratio * (1.0 + 0.03 * float(rng.standard_normal()))
             for f in curve.clocks(lowest_mhz):
                 t, e = curve.time_energy(base, f)
-                if noise > 0:
-                    t *= 1.0 + noise * float(rng.standard_normal())
-                    e *= 1.0 + noise * float(rng.standard_normal())
+                if noise > 0:  # log-normal: relative noise that keeps times and energies positive
+                    t *= math.exp(noise * float(rng.standard_normal()))
+                    e *= math.exp(noise * float(rng.standard_normal()))
                 rows.append((s, kind, f, t, e))
     return PipelineProfile.from_rows(rows, name=f"synthetic-{curve.name}-{stages}stages-seed{seed}")
 

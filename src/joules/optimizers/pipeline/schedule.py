@@ -62,27 +62,30 @@ class PipelineDAG:
     edges: tuple[tuple[int, int], ...]
     stage_order: tuple[tuple[int, ...], ...]
     _index: dict[Computation, int] = field(default_factory=dict, repr=False, compare=False)
+    _preds: list[tuple[int, ...]] = field(default_factory=list, repr=False, compare=False)
+    _succs: list[tuple[int, ...]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._index.update({c: i for i, c in enumerate(self.nodes)})
+        preds: list[list[int]] = [[] for _ in self.nodes]
+        succs: list[list[int]] = [[] for _ in self.nodes]
+        for u, v in self.edges:
+            preds[v].append(u)
+            succs[u].append(v)
+        self._preds.extend(tuple(x) for x in preds)
+        self._succs.extend(tuple(x) for x in succs)
 
     def index(self, computation: Computation) -> int:
         """Node id of ``computation``."""
         return self._index[computation]
 
-    def predecessors(self) -> list[list[int]]:
-        """For each node id, the ids it depends on."""
-        preds: list[list[int]] = [[] for _ in self.nodes]
-        for u, v in self.edges:
-            preds[v].append(u)
-        return preds
+    def predecessors(self) -> list[tuple[int, ...]]:
+        """For each node id, the ids it depends on (computed once)."""
+        return self._preds
 
-    def successors(self) -> list[list[int]]:
-        """For each node id, the ids that depend on it."""
-        succs: list[list[int]] = [[] for _ in self.nodes]
-        for u, v in self.edges:
-            succs[u].append(v)
-        return succs
+    def successors(self) -> list[tuple[int, ...]]:
+        """For each node id, the ids that depend on it (computed once)."""
+        return self._succs
 
 
 def stage_sequence(schedule: str, stages: int, microbatches: int, stage: int) -> list[Computation]:

@@ -91,8 +91,11 @@ class Problem:
     options: list[list[Option]]
     durations: list[list[int]]
     costs: list[list[float]]
-    preds: list[list[int]] = field(default_factory=list)
-    succs: list[list[int]] = field(default_factory=list)
+    preds: list[tuple[int, ...]] = field(init=False, repr=False)
+    succs: list[tuple[int, ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.preds, self.succs = self.dag.predecessors(), self.dag.successors()
 
     @classmethod
     def build(cls, dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float,
@@ -105,8 +108,8 @@ class Problem:
         """
         if not unit_time_s > 0:
             raise ValueError(f"unit time must be positive (got {unit_time_s})")
-        if blocking_power_w < 0:
-            raise ValueError(f"blocking power must be >= 0 W (got {blocking_power_w})")
+        if not (blocking_power_w >= 0 and math.isfinite(blocking_power_w)):
+            raise ValueError(f"blocking power must be a finite number >= 0 W (got {blocking_power_w})")
         table = option_table(dag, profile)
         cache: dict[tuple[int, str], tuple[list[Option], list[int], list[float]]] = {}
         options, durations, costs = [], [], []
@@ -131,8 +134,7 @@ class Problem:
             options.append(kept)
             durations.append(ds)
             costs.append(cs)
-        return cls(dag, unit_time_s, blocking_power_w, options, durations, costs,
-                   dag.predecessors(), dag.successors())
+        return cls(dag, unit_time_s, blocking_power_w, options, durations, costs)
 
     def combinations(self) -> float:
         """Number of option combinations (as a float; it can be astronomically large)."""
@@ -607,7 +609,6 @@ def _max_flow(
 def exact_points(p: Problem) -> list[tuple[int, float, list[int]]]:
     """Every Pareto-optimal ``(makespan units, effective energy, choice)``, by branch and bound."""
     n = len(p.durations)
-    order = list(range(n))  # topological
     min_cost_rest = [0.0] * (n + 1)
     for i in range(n - 1, -1, -1):
         min_cost_rest[i] = min_cost_rest[i + 1] + p.costs[i][-1]
@@ -635,7 +636,7 @@ def exact_points(p: Problem) -> list[tuple[int, float, list[int]]]:
                 front.append((ms, cost, list(choice)))
                 front.sort(key=lambda f: f[0])
             return
-        v = order[i]
+        v = i  # node ids are in topological order
         start = max((end[u] for u in p.preds[v]), default=0)
         ds, cs = p.durations[v], p.costs[v]
         for k in range(len(ds) - 1, -1, -1):  # cheapest first
@@ -725,10 +726,10 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
         ``(plans, info)``: the plans made (not yet filtered), and statistics.
     """
     n = len(p.durations)
-    shared: dict[int, _Hull] = {}
+    shared: dict[tuple[int, str], _Hull] = {}
     hulls: list[_Hull] = []
-    for v in range(n):
-        key = id(p.durations[v])  # computations of one stage and kind share their option lists
+    for v, c in enumerate(p.dag.nodes):
+        key = (c.stage, c.kind)  # computations of one stage and kind share their options
         if key not in shared:
             shared[key] = _Hull(p.durations[v], p.costs[v], HULL_TOLERANCE, grid * SPAN_UNITS)
         hulls.append(shared[key])
@@ -877,9 +878,9 @@ class _Batch:
         for v in range(n):
             levels.setdefault(depth[v], []).append(v)
 
-        def padded(lists: list[list[int]]) -> np.ndarray:
+        def padded(lists: list[tuple[int, ...]]) -> np.ndarray:
             width = max(1, max((len(x) for x in lists), default=1))
-            return np.array([x + [n] * (width - len(x)) for x in lists], dtype=np.int64)
+            return np.array([[*x, *[n] * (width - len(x))] for x in lists], dtype=np.int64)
 
         # (nodes of the level, their predecessors / successors padded with the dummy column n)
         self.levels = [
@@ -892,6 +893,10 @@ class _Batch:
         # Durations made increasing across nodes (node v shifted by v * span) for one searchsorted.
         self.flat_d = np.concatenate([np.asarray(ds, dtype=np.int64) for ds in p.durations])
         self.flat_c = np.concatenate([np.asarray(cs, dtype=np.float64) for cs in p.costs])
+        # The real options, for evaluating plans with unrounded times.
+        self.flat_t = np.array([o.time_s for opts in p.options for o in opts], dtype=np.float64)
+        self.flat_e = np.array([o.energy_j for opts in p.options for o in opts], dtype=np.float64)
+        self.flat_f = np.array([o.frequency for opts in p.options for o in opts], dtype=np.int64)
         self.shift = np.arange(n, dtype=np.int64) * span
         self.keys = self.flat_d + np.repeat(self.shift, sizes)
 
@@ -923,16 +928,9 @@ class _Batch:
 
     def plans(self, rows: np.ndarray) -> list[Plan]:
         """Real plans (times from the profile, not rounded) of option-index rows, each once."""
-        rows = np.unique(rows, axis=0)
+        rows = np.unique(rows, axis=0) + self.offset
         p = self.p
-        times = np.empty(rows.shape, dtype=np.float64)
-        energies = np.empty(rows.shape, dtype=np.float64)
-        freqs = np.empty(rows.shape, dtype=np.int64)
-        for v in range(self.n):
-            opts = p.options[v]
-            times[:, v] = np.array([o.time_s for o in opts])[rows[:, v]]
-            energies[:, v] = np.array([o.energy_j for o in opts])[rows[:, v]]
-            freqs[:, v] = np.array([o.frequency for o in opts])[rows[:, v]]
+        times, energies, freqs = self.flat_t[rows], self.flat_e[rows], self.flat_f[rows]
         iteration = self.makespan(times)
         total = energies.sum(axis=1) + p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
         return [
@@ -976,7 +974,8 @@ def _lower_envelope(plans: list[Plan]) -> list[Plan]:
     out: list[Plan] = []
     for pl in sorted(plans, key=lambda q: (q.time_s, q.energy_j)):
         if not out or pl.energy_j < out[-1].energy_j - 1e-9 * max(1.0, abs(out[-1].energy_j)):
-            if out and abs(pl.time_s - out[-1].time_s) <= 1e-12:
-                continue
-            out.append(pl)
+            if out and pl.time_s - out[-1].time_s <= 1e-12:
+                out[-1] = pl  # as fast but for rounding, and cheaper
+            else:
+                out.append(pl)
     return out
