@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ class FakeServer:
         self.epochs: dict[str, dict[int, tuple[dict, dict]]] = {}
         self.requests: list[httpx.Request] = []
         self.failures: list[str | int | None] = []
+        self.retry_after = "3"  # the Retry-After of an injected 429, s
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self)
@@ -76,7 +78,7 @@ class FakeServer:
             raise httpx.ReadTimeout("timed out", request=request)
         if isinstance(action, int):
             return httpx.Response(action, json={"detail": f"injected {action}"},
-                                  headers={"Retry-After": "0"} if action == 429 else {})
+                                  headers={"Retry-After": self.retry_after} if action == 429 else {})
         if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
             return httpx.Response(401, json={"detail": "missing or wrong bearer token"})
         response = self.handle(request)
@@ -324,7 +326,7 @@ def test_429_is_retried_and_retry_after_is_honored():
     _, monitor = make_sim()
     bso, sleeps = make_client(monitor, server, backoff_s=0.0)
     bso.get_batch_size()
-    assert len(sleeps) == 1 and len(server.jobs) == 1
+    assert sleeps == [3.0] and len(server.jobs) == 1  # backoff 0: the wait is the server's Retry-After
 
 
 @pytest.mark.parametrize("status", [400, 404, 422])
@@ -580,6 +582,26 @@ def test_a_bad_job_spec_names_the_field():
     _, monitor = make_sim()
     with pytest.raises(ValueError, match="default_batch_size 48 is not one of batch_sizes"):
         BatchSizeOptimizer(monitor, URL, {**JOB, "default_batch_size": 48})
+
+
+@pytest.mark.parametrize(("metric", "error", "match"), [
+    ("0.9", TypeError, r"metric must be a number, got str '0\.9'"),
+    (None, TypeError, r"metric must be a number, got NoneType None"),
+    (math.nan, ValueError, r"metric must be finite, got nan"),
+    (math.inf, ValueError, r"metric must be finite, got inf"),
+])
+def test_a_metric_that_is_not_a_finite_number_is_refused_naming_it(metric: Any, error: type, match: str):
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    sim.run(5.0, CF)
+    with pytest.raises(error, match=match):
+        bso.on_evaluate(metric)
+    assert server.bodies("POST", "/epochs") == []  # nothing reported
+    assert bso.on_evaluate(0.5) is False  # the epoch can still be reported
+    bso.on_train_end()
 
 
 def test_on_evaluate_after_stop_says_stop_again_without_reporting(caplog):

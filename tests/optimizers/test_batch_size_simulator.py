@@ -94,6 +94,9 @@ def test_load_job_joins_both_traces(tmp_path: Path) -> None:
      "time_per_epoch='fast' is not a number"),
     (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,sgd,200,1,100\n"),
      "no rows for workload toy/net with optimizer adam"),
+    (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,adam,200,1,100\n"
+                                                         "toy,net/v2,32,adam,200,1,100\n"),
+     r"summary_power_v100.csv, line 3: .*must not contain '/' \(row 'toy/net/v2/32/adam'\)"),
 ])
 def test_trace_errors_name_the_file_and_column(tmp_path: Path, mutate, match: str) -> None:  # type: ignore[no-untyped-def]
     d = small_traces(tmp_path)

@@ -174,7 +174,7 @@ def test_unknown_job_and_trial_are_404_naming_them(bso_server: Served) -> None:
     ({"batch_sizes": [32, 32]}, {"batch_sizes"}),
     ({"batch_sizes": [0, 32]}, {"batch_sizes"}),
     ({"batch_sizes": []}, {"batch_sizes"}),
-    ({"default_batch_size": 48}, {"body"}),  # not a candidate: a model-level error
+    ({"default_batch_size": 48}, {"default_batch_size"}),  # not one of batch_sizes
     ({"name": "bad name!"}, {"name"}),
     ({"eta": 1.5, "beta": 1.0}, {"eta", "beta"}),
     ({"max_epochs": 0, "max_power_w": -1}, {"max_epochs", "max_power_w"}),

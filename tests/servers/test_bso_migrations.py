@@ -71,6 +71,7 @@ def test_concurrent_upgrades_are_safe(bso_backend: str, bso_databases: Callable[
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "migrations hung"
     assert not errors, errors
     db = dbm.Database(url)
     assert dbm.current_revision(db) == dbm.head_revision()

@@ -14,6 +14,7 @@ import tempfile
 import typer
 
 from joules.errors import JoulesError
+from joules.servers.batch_size.settings import DB_ENV, POLICY_ENV, TOKEN_ENV, default_database_url
 
 SERVER_EXTRA_HINT = "pip install 'joules[server]'"
 
@@ -74,7 +75,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def serve(
         db: str | None = typer.Option(
-            None, "--db", metavar="URL", envvar="JOULES_SERVER_DB",
+            None, "--db", metavar="URL", envvar=DB_ENV,
             help="sqlite:///PATH or postgresql://USER@HOST:PORT/DATABASE (a plain path is a SQLite file). "
                  "Default: batch-size.sqlite in the joules state directory.",
         ),
@@ -84,8 +85,8 @@ def register(app: typer.Typer) -> None:
             1, "--workers", min=1, max=256,
             help="Server processes (they share the database; any number is correct)."),
         token: str | None = typer.Option(
-            None, "--token", metavar="TOKEN", envvar="JOULES_SERVER_TOKEN",
-            help="Require 'Authorization: Bearer TOKEN' on /jobs (also: JOULES_SERVER_TOKEN)."),
+            None, "--token", metavar="TOKEN", envvar=TOKEN_ENV,
+            help=f"Require 'Authorization: Bearer TOKEN' on /jobs (also: {TOKEN_ENV})."),
         log_level: str = typer.Option(
             "info", "--log-level", help="uvicorn's log level: critical, error, warning, info, debug, trace."),
         policy_factory: str | None = typer.Option(
@@ -106,9 +107,7 @@ def register(app: typer.Typer) -> None:
         if token is not None and not token.strip():
             raise JoulesError("empty --token: give a token or leave the option out")
         if db is None:
-            from joules.optimizers.power_limit.store import default_state_dir
-
-            db = str(default_state_dir() / "batch-size.sqlite")
+            db = default_database_url()
         factory = appm.load_policy_factory(policy_factory)  # fails early on a bad MODULE:NAME
         _check_port(host, port)
         url = prepare_database(db)
@@ -127,8 +126,8 @@ def _run(url: str, host: str, port: int, workers: int, token: str | None, log_le
         uvicorn.run(app, host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
         return 0
     # The workers are fresh processes: they get their settings from the environment.
-    os.environ[appm.DB_ENV] = url
-    for name, value in ((appm.TOKEN_ENV, token), (appm.POLICY_ENV, policy_factory)):
+    os.environ[DB_ENV] = url
+    for name, value in ((TOKEN_ENV, token), (POLICY_ENV, policy_factory)):
         if value:
             os.environ[name] = value
         else:

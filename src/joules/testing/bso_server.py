@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from joules.servers.batch_size.settings import DB_ENV, TOKEN_ENV
 from joules.testing.processes import free_port
 
 PG_ADMIN_URL_ENV = "JOULES_TEST_POSTGRES_URL"
@@ -80,8 +81,8 @@ class ServerProcess:
         if self.policy_factory:
             args += ["--policy-factory", self.policy_factory]
         env = dict(os.environ)
-        env.pop("JOULES_SERVER_TOKEN", None)
-        env.pop("JOULES_SERVER_DB", None)
+        env.pop(TOKEN_ENV, None)
+        env.pop(DB_ENV, None)
         env.update(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -59,10 +59,10 @@ from joules.servers.batch_size.schemas import (
     TrialEnd,
     TrialOut,
 )
+from joules.servers.batch_size.settings import TOKEN_ENV
 
 log = logging.getLogger("joules.batch_size")
 
-TOKEN_ENV = "JOULES_SERVER_TOKEN"
 _WINDOW = "joules.batch_size"
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504}) | frozenset(range(505, 600))
 _MAX_RETRY_AFTER_S = 60.0
@@ -343,12 +343,13 @@ class BatchSizeOptimizer:
 
         Raises:
             JoulesError: Training did not begin (no :meth:`on_train_begin` or step callbacks).
+            TypeError: ``metric`` is not a number (a string, ``None``...).
+            ValueError: ``metric`` is NaN or infinite.
             ServerError: The report failed after every retry.
         """
         if not self._began or self._ended or not self._window_open:
             raise JoulesError("on_evaluate() before on_train_begin(): there is no epoch to report")
-        if not math.isfinite(metric):
-            raise ValueError(f"metric must be finite, got {metric}")
+        _check_metric(metric)
         if self.stop_reason is not None:  # the server ended the trial with that answer
             log.warning("on_evaluate() after the server said to stop (%s): not reported; stop training",
                         self.stop_reason)
@@ -531,6 +532,18 @@ class BatchSizeOptimizer:
         if retry_after is not None:
             delay = max(delay, min(retry_after, _MAX_RETRY_AFTER_S))
         return delay
+
+
+def _check_metric(metric: object) -> None:
+    """Raise naming ``metric`` unless it is a finite number (``float(metric)`` works; not a string)."""
+    if isinstance(metric, (str, bytes)):
+        raise TypeError(f"metric must be a number, got {type(metric).__name__} {metric!r}")
+    try:
+        finite = math.isfinite(metric)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"metric must be a number, got {type(metric).__name__} {metric!r}") from None
+    if not finite:
+        raise ValueError(f"metric must be finite, got {metric}")
 
 
 def _retry_after(response: httpx.Response) -> float | None:

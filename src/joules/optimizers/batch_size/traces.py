@@ -215,18 +215,24 @@ def load_power_profiles(path: str | Path, workload: str, optimizer: str) -> dict
     Raises:
         TraceError: The file is missing or malformed, or has no row for them.
     """
-    path = Path(path)
+    return _power_profiles(Path(path), workload, optimizer)[0]
+
+
+def _power_profiles(path: Path, workload: str, optimizer: str) -> tuple[dict[int, Profile], float]:
+    """:func:`load_power_profiles`, and the highest power limit of the whole file, W."""
     if not path.is_file():
         raise TraceError(f"power trace not found: {path}")
     try:
         profiles = trace_profiles(path)
-    except TraceError:
-        raise
     except ProfileError as e:
         raise TraceError(str(e)) from None
     out: dict[int, Profile] = {}
     for p in profiles:
-        dataset, network, bs, opt = p.name.split("/")
+        parts = p.name.split("/")
+        if len(parts) != 4:
+            raise TraceError(f"{path}, line {_line_of(path, p.name)}: dataset, network, batch_size and "
+                             f"optimizer must not contain '/' (row {p.name!r})")
+        dataset, network, bs, opt = parts
         if f"{dataset}/{network}" == workload and opt == optimizer:
             try:
                 out[int(bs)] = p
@@ -234,7 +240,16 @@ def load_power_profiles(path: str | Path, workload: str, optimizer: str) -> dict
                 raise TraceError(f"{path}: batch_size={bs!r} is not an integer") from None
     if not out:
         raise TraceError(f"{path}: no rows for workload {workload} with optimizer {optimizer}")
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items())), max(p.limits_w[0] for p in profiles)
+
+
+def _line_of(path: Path, name: str) -> int | str:
+    """The line of the first row of a power trace in profile ``name`` (``"?"`` if none is)."""
+    with path.open(newline="") as f:
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            if f"{row['dataset']}/{row['network']}/{row['batch_size']}/{row['optimizer']}" == name:
+                return line
+    return "?"
 
 
 def known_gpus(traces_dir: str | Path) -> list[str]:
@@ -272,15 +287,13 @@ def load_job(traces_dir: str | Path, gpu: str, workload: str | JobSpec) -> JobTr
         have = ", ".join(known_gpus(traces_dir)) or "none"
         raise TraceError(f"power trace not found: {power_path} (GPUs with a trace: {have})")
     train = load_train_trace(traces_dir / "summary_train.csv", spec.workload, spec.target_metric)
-    profiles = load_power_profiles(power_path, spec.workload, train.optimizer)
+    profiles, max_power_w = _power_profiles(power_path, spec.workload, train.optimizer)
     batch_sizes = tuple(sorted(set(train.runs) & set(profiles)))
     if not batch_sizes:
         raise TraceError(f"{spec.workload}: no batch size is in both {traces_dir / 'summary_train.csv'} "
                          f"and {power_path}")
     not_above = [b for b in batch_sizes if b <= spec.default_batch_size]
     default = max(not_above) if not_above else batch_sizes[0]
-    with power_path.open(newline="") as f:
-        limits = [float(r["power_limit"]) for r in csv.DictReader(f)]
     return JobTrace(
         spec=replace(spec, default_batch_size=default),
         gpu=gpu,
@@ -288,5 +301,5 @@ def load_job(traces_dir: str | Path, gpu: str, workload: str | JobSpec) -> JobTr
         batch_sizes=batch_sizes,
         runs={b: train.runs[b] for b in batch_sizes},
         profiles={b: profiles[b] for b in batch_sizes},
-        max_power_w=max(limits),
+        max_power_w=max_power_w,
     )

@@ -37,10 +37,8 @@ from joules.servers.batch_size.schemas import (
     TrialOut,
 )
 from joules.servers.batch_size.service import BatchSizeService, InvalidError, PolicyFactory, ServiceError
+from joules.servers.batch_size.settings import DB_ENV, POLICY_ENV, TOKEN_ENV, default_database_url
 
-DB_ENV = "JOULES_SERVER_DB"
-TOKEN_ENV = "JOULES_SERVER_TOKEN"
-POLICY_ENV = "JOULES_SERVER_POLICY_FACTORY"
 METRICS_PREFIX = "joules_bso"
 
 Scope = MutableMapping[str, Any]
@@ -353,10 +351,6 @@ def app_from_env() -> FastAPI:
     For ``uvicorn --factory joules.servers.batch_size.app:app_from_env`` and the workers of
     ``joules serve --workers N``.
     """
-    url = os.environ.get(DB_ENV)
-    if not url:
-        from joules.optimizers.power_limit.store import default_state_dir
-
-        url = str(default_state_dir() / "batch-size.sqlite")
+    url = os.environ.get(DB_ENV) or default_database_url()
     return create_app(url, token=os.environ.get(TOKEN_ENV) or None,
                       policy_factory=load_policy_factory(os.environ.get(POLICY_ENV)))

@@ -18,7 +18,6 @@ number of server processes can share the database.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sqlite3
 from collections.abc import Iterator
@@ -45,7 +44,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from joules.errors import JoulesError
 
@@ -130,10 +129,6 @@ class Trial(Base):
         DateTime(timezone=True), server_default=text(EPOCH_START),
         doc="Creation or latest epoch report: a running trial idle for the job's stale_after_s is expired.")
 
-    reports: Mapped[list[EpochReportRow]] = relationship(
-        back_populates="trial", order_by="EpochReportRow.epoch", lazy="raise")
-    job: Mapped[Job] = relationship(lazy="raise")
-
 
 class EpochReportRow(Base):
     """One epoch of a trial and the answer the server gave to it."""
@@ -152,8 +147,6 @@ class EpochReportRow(Base):
     cost: Mapped[float] = mapped_column(Double)
     stop_cost: Mapped[float | None] = mapped_column(Double, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-    trial: Mapped[Trial] = relationship(back_populates="reports", lazy="raise")
 
 
 def normalize_url(database_url: str) -> URL:
@@ -405,8 +398,3 @@ def head_revision() -> str:
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     assert head is not None
     return head
-
-
-def sqlite_path(db: Database) -> str | None:
-    """The file of a SQLite database (``None`` for PostgreSQL)."""
-    return os.fspath(db.url.database) if db.is_sqlite and db.url.database else None

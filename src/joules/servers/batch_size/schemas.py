@@ -28,7 +28,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"
 
@@ -65,18 +65,20 @@ class JobCreate(_Model):
 
     @field_validator("batch_sizes")
     @classmethod
-    def _distinct_positive(cls, v: list[int]) -> list[int]:
-        if any(b <= 0 for b in v):
-            raise ValueError("batch_sizes must all be positive")
+    def _distinct(cls, v: list[int]) -> list[int]:
+        # Each item is already known to be positive (Field(gt=0) is checked first).
         if len(set(v)) != len(v):
             raise ValueError("batch_sizes must be distinct")
         return sorted(v)
 
-    @model_validator(mode="after")
-    def _default_is_a_candidate(self) -> JobCreate:
-        if self.default_batch_size not in self.batch_sizes:
-            raise ValueError(f"default_batch_size {self.default_batch_size} is not one of batch_sizes")
-        return self
+    @field_validator("default_batch_size")
+    @classmethod
+    def _default_is_a_candidate(cls, v: int, info: ValidationInfo) -> int:
+        # batch_sizes is declared first, so it is in info.data once valid (else its own error is reported).
+        batch_sizes = info.data.get("batch_sizes")
+        if batch_sizes is not None and v not in batch_sizes:
+            raise ValueError(f"default_batch_size {v} is not one of batch_sizes")
+        return v
 
 
 class JobOut(JobCreate):

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
@@ -262,16 +262,19 @@ class BatchSizeService:
         self._save_state(job, policy, state)
         job.updated_at = trial.ended_at
 
+    def _stale(self, job: Job, spec: JobCreate) -> tuple[ColumnElement[bool], ...]:
+        """The WHERE clause of the job's running trials idle for over ``stale_after_s``."""
+        cutoff = self.clock() - timedelta(seconds=spec.stale_after_s)
+        return Trial.job_id == job.id, Trial.status == "running", Trial.last_activity_at < cutoff
+
     def _expire_stale(self, session: Session, job: Job, spec: JobCreate) -> int:
         """End as ``aborted`` the job's running trials idle for over ``stale_after_s`` (job row locked).
 
         Returns:
             How many trials were ended.
         """
-        cutoff = self.clock() - timedelta(seconds=spec.stale_after_s)
-        running = session.execute(select(Trial).where(Trial.job_id == job.id, Trial.status == "running")
-                                  .order_by(Trial.seq)).scalars().all()
-        stale = [t for t in running if (as_utc(t.last_activity_at) or as_utc(t.created_at)) < cutoff]  # type: ignore[operator]
+        query = select(Trial).where(*self._stale(job, spec)).order_by(Trial.seq)
+        stale = session.execute(query).scalars().all()
         for trial in stale:
             self._end(job, spec, trial, TrialOutcome.ABORTED)
         if stale:
@@ -284,10 +287,7 @@ class BatchSizeService:
 
     def _has_stale(self, session: Session, job: Job, spec: JobCreate) -> bool:
         """Whether the job has a running trial to expire (a read: no lock needed)."""
-        cutoff = self.clock() - timedelta(seconds=spec.stale_after_s)
-        times = session.execute(select(Trial.last_activity_at, Trial.created_at).where(
-            Trial.job_id == job.id, Trial.status == "running")).all()
-        return any((as_utc(a) or as_utc(c)) < cutoff for a, c in times)  # type: ignore[operator]
+        return session.execute(select(Trial.id).where(*self._stale(job, spec)).limit(1)).first() is not None
 
     @staticmethod
     def _save_state(job: Job, policy: Policy, state: dict[str, Any]) -> None:
