@@ -18,12 +18,16 @@ energy savings at least the original's, and joules' gap at most half the origina
 
 ``--ablation`` adds rows for joules' policy with one part turned off (the cost-based end of
 an exploration direction; the end predicted by the rising trend of the estimates; the
-per-epoch cost model shared across batch sizes; the temperature of Thompson sampling), so
-each part's worth shows.
+per-epoch cost model shared across batch sizes; the temperature of Thompson sampling; the
+upward-first pass; that pass going on to the end), so each part's worth shows. ``--set
+NAME=VALUE`` runs joules' policy with a setting changed (``margin``, ``temperature``, ...).
+``--stop-after`` makes joules' simulator stop a trial after the epoch that crossed the stop
+cost, not before it.
 
-Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--ablation] [--json PATH]``
-(from the repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``;
-``--no-zeus`` runs joules alone).
+Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--gpus v100,a40]
+[--ablation] [--set NAME=VALUE ...] [--stop-after] [--no-zeus] [--json PATH]`` (from the
+repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``; ``--no-zeus``
+runs joules alone).
 """
 
 from __future__ import annotations
@@ -82,6 +86,28 @@ class DownFirst(JoulesPolicy):
     up_first_fraction = 0.0
 
 
+class UpFirstJudged(JoulesPolicy):
+    """joules whose upward-first direction is ended by the estimated costs, like any direction."""
+
+    up_first_to_end = False
+
+
+def tuned(settings: list[str]) -> type[JoulesPolicy]:
+    """``JoulesPolicy`` with class attributes set from ``NAME=VALUE`` strings (``--set``)."""
+    attrs: dict[str, object] = {}
+    for item in settings:
+        name, sep, text = item.partition("=")
+        default = getattr(JoulesPolicy, name, None)
+        if not sep or name.startswith("_") or not isinstance(default, bool | int | float):
+            raise SystemExit(f"bad --set {item!r}: expected NAME=VALUE with NAME a JoulesPolicy setting "
+                             "(margin, temperature, up_first_fraction, extrapolate, ...)")
+        try:
+            attrs[name] = text.lower() in ("1", "true", "yes") if isinstance(default, bool) else float(text)
+        except ValueError:
+            raise SystemExit(f"bad --set {item!r}: {text!r} is not a number") from None
+    return type("TunedJoulesPolicy", (JoulesPolicy,), attrs)
+
+
 POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules": make_policy,
     "nsdi23": lambda c: make_policy(PolicyConfig(**{**c.__dict__, "variant": "nsdi23"})),
@@ -92,6 +118,7 @@ ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules - per-epoch model": LogCostModel,
     "joules - temperature": NoTemperature,
     "joules - up first": DownFirst,
+    "joules - to the end": UpFirstJudged,
 }
 
 
@@ -145,6 +172,8 @@ def main() -> int:
     ap.add_argument("--beta", type=float, default=2.0)
     ap.add_argument("--gpus", default=None, help="comma-separated (default: every power trace)")
     ap.add_argument("--ablation", action="store_true", help="also joules with one part turned off")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="run joules' policy with this setting changed (e.g. margin=0.2; repeatable)")
     ap.add_argument("--stop-after", action="store_true",
                     help="joules' simulator stops a trial after the epoch that crossed the stop cost")
     ap.add_argument("--no-zeus", action="store_true", help="skip the original (Zeus) simulator")
@@ -161,6 +190,8 @@ def main() -> int:
     seeds = list(range(1, args.seeds + 1))
     jobs = [load_job(args.traces, g, w) for g in gpus for w in JOBS]
     policies = {**POLICIES, **(ABLATIONS if args.ablation else {})}
+    if args.set:
+        policies["joules"] = tuned(args.set)
     console = Console(width=180)
     t0 = time.perf_counter()
 

@@ -446,8 +446,10 @@ class JoulesPolicy(_BasePolicy):
         temperature: Thompson sampling draws each batch size's mean log cost with this
             times its posterior variance (1: plain Thompson sampling). Below 1, it explores
             less among batch sizes whose estimates are close.
-        up_first_fraction: The pass goes upwards first, and to the end, when the default's
-            trial reached the target within this fraction of ``max_epochs`` (0: never).
+        up_first_fraction: The pass goes upwards first when the default's trial reached the
+            target within this fraction of ``max_epochs`` (0: never).
+        up_first_to_end: That upward direction goes on to the end (or a failure), not ended
+            by the estimated costs (``False``: ended like any direction).
     """
 
     margin = 0.15
@@ -459,6 +461,7 @@ class JoulesPolicy(_BasePolicy):
     extrapolate = True
     temperature = 0.4
     up_first_fraction = 1 / 3
+    up_first_to_end = True
 
     def _initial(self) -> dict[str, Any]:
         return {"status": {}}  # batch size (str) -> ok/failed/pending; absent: not explored
@@ -522,8 +525,8 @@ class JoulesPolicy(_BasePolicy):
         free: int | None = None
         ahead: set[int] = set()
         directions = [(down, 0, True), (up, 1, True)]
-        if self._up_first(state):  # upwards first, and to the end (or a failure)
-            directions = [(up, 1, False), (down, 0, True)]
+        if self._up_first(state):  # upwards first (by default to the end, or a failure)
+            directions = [(up, 1, not self.up_first_to_end), (down, 0, True)]
         for order, first, judged in directions:
             for i in range(first, len(order)):
                 b = order[i]
