@@ -25,7 +25,7 @@ Servers, each on a fresh database:
 PostgreSQL: a temporary database on ``JOULES_TEST_POSTGRES_URL`` (default
 ``postgresql://postgres@127.0.0.1:5432/test``); skipped when none answers.
 
-Run: ``.venv/bin/python benchmarks/server_load.py`` (~3 min; ``--quick``: ~1 min).
+Run: ``.venv/bin/python benchmarks/server_load.py`` (~4 min; ``--quick``: ~1.5 min).
 """
 
 from __future__ import annotations
