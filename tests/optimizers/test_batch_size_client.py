@@ -173,6 +173,16 @@ def make_client(monitor: EnergyMonitor, server: FakeServer, job: dict | None = N
     return bso, sleeps
 
 
+def started_trial() -> tuple[FakeServer, Simulator, BatchSizeOptimizer]:
+    """A client (no power-limit search) whose first trial has begun training."""
+    server = FakeServer()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    return server, sim, bso
+
+
 def truth_now(sim: Simulator) -> tuple[float, float]:
     return sim.clock.now(), sum(sim.true_gpu_energy_j().values())
 
@@ -376,11 +386,7 @@ def test_the_last_retry_error_names_the_url_and_the_failure():
 
 
 def test_a_lost_epoch_answer_is_retried_safely():
-    server = FakeServer()
-    sim, monitor = make_sim()
-    bso, _ = make_client(monitor, server, power_limit=False)
-    bso.get_batch_size()
-    bso.on_train_begin()
+    server, sim, bso = started_trial()
     sim.run(10.0, CF)
     server.failures = ["lost"]  # the server records epoch 1, its answer never arrives
     assert bso.on_evaluate(0.5) is False
@@ -591,11 +597,7 @@ def test_a_bad_job_spec_names_the_field():
     (math.inf, ValueError, r"metric must be finite, got inf"),
 ])
 def test_a_metric_that_is_not_a_finite_number_is_refused_naming_it(metric: Any, error: type, match: str):
-    server = FakeServer()
-    sim, monitor = make_sim()
-    bso, _ = make_client(monitor, server, power_limit=False)
-    bso.get_batch_size()
-    bso.on_train_begin()
+    server, sim, bso = started_trial()
     sim.run(5.0, CF)
     with pytest.raises(error, match=match):
         bso.on_evaluate(metric)
@@ -605,11 +607,7 @@ def test_a_metric_that_is_not_a_finite_number_is_refused_naming_it(metric: Any, 
 
 
 def test_on_evaluate_after_stop_says_stop_again_without_reporting(caplog):
-    server = FakeServer()
-    sim, monitor = make_sim()
-    bso, _ = make_client(monitor, server, power_limit=False)
-    bso.get_batch_size()
-    bso.on_train_begin()
+    server, sim, bso = started_trial()
     sim.run(5.0, CF)
     assert bso.on_evaluate(0.95) is True
     sim.run(5.0, CF)
