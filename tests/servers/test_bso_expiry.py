@@ -119,10 +119,16 @@ def test_injected_clock_expires_trials(tmp_path: Any) -> None:
                                                                 stale_after_s=3600.0)))
         from joules.servers.batch_size.schemas import TrialCreate
         t1, _ = service.start_trial(job.job_id, TrialCreate())
+        transactions: list[bool] = []  # write flag of each transaction the service opens
+        real = db.transaction
+        db.transaction = lambda write=True: transactions.append(write) or real(write)  # type: ignore[method-assign]
         now[0] += timedelta(seconds=3599)
         assert service.job_state(job.job_id).trials["running"] == 1 and expired == []
+        assert transactions == [False]  # nothing to expire: one read
         now[0] += timedelta(seconds=2)
+        transactions.clear()
         assert service.job_state(job.job_id).trials == {"running": 0, "ended": 1, "aborted": 1}
+        assert transactions == [False, True, False]  # found stale, expired under the lock, read again
         assert expired == [1]
         assert service.trial(job.job_id, t1.trial_id).ended_at == now[0]
     finally:

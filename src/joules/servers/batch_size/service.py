@@ -39,12 +39,12 @@ import json
 import math
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, Row, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
@@ -184,7 +184,10 @@ class BatchSizeService:
         self.clock = clock or utcnow
         self.on_expired: Callable[[int], None] | None = None
         self._policies: dict[str, Policy] = {}
-        self._policies_lock = threading.Lock()  # guards the cache only, never held across a transaction
+        # Per job id, its spec and policy: a job's spec never changes once registered, so it is
+        # validated once per process, not on every request.
+        self._jobs: dict[str, tuple[JobCreate, Policy]] = {}
+        self._policies_lock = threading.Lock()  # guards the caches only, never held across a transaction
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -203,9 +206,20 @@ class BatchSizeService:
                 self._policies[key] = policy
         return policy
 
-    @staticmethod
-    def _spec(job: Job) -> JobCreate:
-        return JobCreate.model_validate(job.spec)
+    def _job(self, job: Job) -> tuple[JobCreate, Policy]:
+        """The job's spec and policy, validated and made once per process."""
+        cached = self._jobs.get(job.id)
+        if cached is None:
+            spec = JobCreate.model_validate(job.spec)
+            cached = (spec, self._policy(spec))
+            with self._policies_lock:
+                if len(self._jobs) > 4096:
+                    self._jobs.clear()
+                self._jobs[job.id] = cached
+        return cached
+
+    def _spec(self, job: Job) -> JobCreate:
+        return self._job(job)[0]
 
     @staticmethod
     def _job_out(job: Job) -> JobOut:
@@ -221,6 +235,19 @@ class BatchSizeService:
             energy_j=trial.energy_j, cost=trial.cost, created_at=as_utc(trial.created_at),  # type: ignore[arg-type]
             ended_at=as_utc(trial.ended_at),
         )
+
+    @staticmethod
+    def _get_job(session: Session, job_id: str) -> Job:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise NotFoundError(f"job {job_id!r} not found")
+        return job
+
+    def _state_rows(self, session: Session, job: Job) -> tuple[JobOut, dict[str, Any], Sequence[Row[Any]]]:
+        """The job's API view, its policy state, and its trial counts by status and outcome."""
+        rows = session.execute(select(Trial.status, Trial.outcome, func.count())
+                               .where(Trial.job_id == job.id).group_by(Trial.status, Trial.outcome)).all()
+        return self._job_out(job), json.loads(job.policy_state), rows
 
     @staticmethod
     def _locked_job(session: Session, job_id: str) -> Job:
@@ -255,7 +282,7 @@ class BatchSizeService:
         trial.status = "ended"
         trial.outcome = outcome.value
         trial.ended_at = self.clock()
-        policy = self._policy(spec)
+        policy = self._job(job)[1]
         state = policy.observe(json.loads(job.policy_state), TrialResult(
             batch_size=trial.batch_size, outcome=outcome, cost=trial.cost, time_s=trial.time_s,
             energy_j=trial.energy_j, epochs=trial.epochs))
@@ -339,30 +366,23 @@ class BatchSizeService:
             NotFoundError: Unknown job.
         """
         with self.db.transaction(write=False) as s:
-            job = s.get(Job, job_id)
-            if job is None:
-                raise NotFoundError(f"job {job_id!r} not found")
-            stale = self._has_stale(s, job, self._spec(job))
-        if stale:  # only then take the job's lock, to expire them
+            job = self._get_job(s, job_id)
+            spec, policy = self._job(job)
+            stale = self._has_stale(s, job, spec)
+            if not stale:  # the usual case: one read
+                job_out, state, rows = self._state_rows(s, job)
+        if stale:  # only then take the job's lock, to expire them, and read again
             with self.db.transaction() as s:
-                job = self._locked_job(s, job_id)
-                n = self._expire_stale(s, job, self._spec(job))
+                n = self._expire_stale(s, self._locked_job(s, job_id), spec)
             self._expired(n)
-        with self.db.transaction(write=False) as s:
-            job = s.get(Job, job_id)
-            if job is None:
-                raise NotFoundError(f"job {job_id!r} not found")
-            rows = s.execute(select(Trial.status, Trial.outcome, func.count())
-                             .where(Trial.job_id == job_id).group_by(Trial.status, Trial.outcome)).all()
-            state = json.loads(job.policy_state)
-            spec = self._spec(job)
-            job_out = self._job_out(job)
+            with self.db.transaction(write=False) as s:
+                job_out, state, rows = self._state_rows(s, self._get_job(s, job_id))
         counts = {"running": 0, "ended": 0}
         for status, outcome, n in rows:
             counts[status] = counts.get(status, 0) + n
             if outcome is not None:
                 counts[outcome] = counts.get(outcome, 0) + n
-        summary = self._policy(spec).summary(state)
+        summary = policy.summary(state)
         posterior = {}
         for bs, p in summary.posterior.items():
             mean, std = _finite(p.get("mean")), _finite(p.get("std"))
@@ -387,8 +407,7 @@ class BatchSizeService:
             NotFoundError: Unknown job.
         """
         with self.db.transaction(write=False) as s:
-            if s.get(Job, job_id) is None:
-                raise NotFoundError(f"job {job_id!r} not found")
+            self._get_job(s, job_id)
             query = select(Trial).where(Trial.job_id == job_id).order_by(Trial.seq).offset(offset)
             if limit is not None:
                 query = query.limit(limit)
@@ -421,9 +440,8 @@ class BatchSizeService:
                     Trial.job_id == job_id, Trial.request_id == request.request_id)).scalar_one_or_none()
                 if earlier is not None:
                     return self.trial_out(earlier), False
-            spec = self._spec(job)
+            spec, policy = self._job(job)
             expired = self._expire_stale(s, job, spec)
-            policy = self._policy(spec)
             state, decision = policy.next_trial(json.loads(job.policy_state))
             now = self.clock()
             job.trials_started += 1
