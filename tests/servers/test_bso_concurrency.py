@@ -197,3 +197,51 @@ def test_server_killed_mid_trial_loses_no_report(bso_backend: str, bso_databases
         served.close()
     finally:
         server.stop()
+
+
+def test_postgres_reports_lock_their_trial_and_the_job_only_to_end_it(
+        bso_databases: Callable[[str], str]) -> None:
+    """While another transaction holds the job's row, a report that does not end its trial goes
+    through; one that ends it waits for the job; expiry skips a trial whose row is held."""
+    from sqlalchemy import text
+
+    from joules.servers.batch_size import db as dbm
+    from joules.servers.batch_size.schemas import EpochReport, JobCreate, TrialCreate
+    from joules.servers.batch_size.service import BatchSizeService
+
+    db = dbm.Database(bso_databases("postgresql"))
+    dbm.upgrade(db)
+    service = BatchSizeService(db)
+    holder = db.engine.connect()
+    try:
+        job, _ = service.register(JobCreate.model_validate(spec(max_epochs=10, stale_after_s=1.0)))
+        t1, _ = service.start_trial(job.job_id, TrialCreate())
+        t2, _ = service.start_trial(job.job_id, TrialCreate())
+
+        def report(trial: str, epoch: int, metric: float) -> threading.Thread:
+            thread = threading.Thread(target=service.report, args=(job.job_id, trial, EpochReport(
+                epoch=epoch, time_s=1.0, energy_j=100.0, metric=metric)))
+            thread.start()
+            return thread
+
+        holder.execute(text("SELECT id FROM bso_jobs WHERE id = :j FOR UPDATE"), {"j": job.job_id})
+        quiet = report(t1.trial_id, 1, 0.1)
+        quiet.join(timeout=10)
+        assert not quiet.is_alive()  # did not wait for the job's row
+        ending = report(t1.trial_id, 2, 0.95)  # reaches the target: the policy must learn
+        ending.join(timeout=0.5)
+        assert ending.is_alive()  # waits for the job's row
+        holder.rollback()
+        ending.join(timeout=10)
+        assert not ending.is_alive()
+        assert service.trial(job.job_id, t1.trial_id).outcome == "reached"
+
+        time.sleep(1.2)  # t2 is now stale; while its row is held, expiry leaves it alone
+        holder.execute(text("SELECT id FROM bso_trials WHERE id = :t FOR UPDATE"), {"t": t2.trial_id})
+        assert service.job_state(job.job_id).trials["running"] == 1
+        holder.rollback()
+        assert service.job_state(job.job_id).trials["running"] == 0
+        assert service.trial(job.job_id, t2.trial_id).outcome == "aborted"
+    finally:
+        holder.close()
+        db.dispose()

@@ -1,12 +1,16 @@
 """What the server does, over the database: register jobs, hand out trials, take epoch reports, end trials.
 
-Every change runs in ONE transaction that starts by locking the job's row
+Every change runs in ONE transaction. One that changes the policy's state (registering a
+job, starting a trial, ending one) locks the job's row
 (:func:`~joules.servers.batch_size.db.lock_job`; on SQLite the transaction itself holds the
 database's write lock from ``BEGIN IMMEDIATE``), then loads the policy's state, applies the
-policy and writes the state back. Two requests for the same job, in one process or in several,
-therefore run one after the other, each seeing what the previous one committed; requests for
-different jobs do not wait for each other on PostgreSQL. Nothing is kept in the process
-between requests except the policy objects, which are pure (configuration only).
+policy and writes the state back. Two such requests for the same job, in one process or in
+several, therefore run one after the other, each seeing what the previous one committed. An
+epoch report locks only its trial's row, and the job's too only when the report ends the
+trial: reports of different trials do not wait for each other on PostgreSQL, nor do requests
+for different jobs. Locks are always taken trial first, then job; expiry skips trials whose
+row another transaction holds (they are active). Nothing is kept in the process between
+requests except the jobs' specs and policy objects, which are pure (configuration only).
 
 How a trial ends (the answer to each epoch report, checked in this order):
 
@@ -28,9 +32,10 @@ Expiry: a client that dies without ending its trial would leave it ``running`` f
 the policy would keep its batch size in flight. A running trial whose last activity (its
 creation, or its latest epoch report) is more than the job's ``stale_after_s`` ago is ended
 as ``aborted``, exactly as an explicit abort ends it (the policy observes ``aborted``). This
-happens in the job-locked transaction of the next request that starts a trial, reports an
-epoch, or reads the job's state, before anything else; a later report to the expired trial
-gets 409 (the trial has ended).
+happens in the job-locked transaction of the next request that starts a trial or reads the
+job's state, before anything else (the policy's view of what is in flight matters only
+then); a later report to the expired trial gets 409 (the trial has ended). A report to a
+stale trial not yet expired is taken, and makes it active again.
 """
 
 from __future__ import annotations
@@ -257,18 +262,24 @@ class BatchSizeService:
         return job
 
     @staticmethod
-    def _locked_job_and_trial(session: Session, job_id: str, trial_id: str) -> tuple[Job, Trial]:
-        """The job, its row locked (its policy state loaded on first use), and its trial: one query."""
+    def _job_and_locked_trial(session: Session, job_id: str, trial_id: str) -> tuple[Job, Trial]:
+        """The job (read; its policy state loaded on first use) and its trial, whose row is locked."""
         row = session.execute(
             select(Job, Trial).join(Trial, Trial.job_id == Job.id)
             .where(Job.id == job_id, Trial.id == trial_id)
-            .options(defer(Job.policy_state)).with_for_update(of=Job)
+            .options(defer(Job.policy_state)).with_for_update(of=Trial)
         ).first()
         if row is None:
             if session.get(Job, job_id) is None:
                 raise NotFoundError(f"job {job_id!r} not found")
             raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
         return row[0], row[1]
+
+    @staticmethod
+    def _relock_job(session: Session, job_id: str) -> Job:
+        """The job already read in this session, now its row locked and its columns read again."""
+        return session.execute(select(Job).where(Job.id == job_id).with_for_update()
+                               .execution_options(populate_existing=True)).scalar_one()
 
     @staticmethod
     def _trial(session: Session, job_id: str, trial_id: str) -> Trial:
@@ -300,7 +311,9 @@ class BatchSizeService:
         Returns:
             How many trials were ended.
         """
-        query = select(Trial).where(*self._stale(job, spec)).order_by(Trial.seq)
+        # A trial whose row another transaction holds is being reported or ended: not stale.
+        query = (select(Trial).where(*self._stale(job, spec)).order_by(Trial.seq)
+                 .with_for_update(skip_locked=True))
         stale = session.execute(query).scalars().all()
         for trial in stale:
             self._end(job, spec, trial, TrialOutcome.ABORTED)
@@ -467,7 +480,7 @@ class BatchSizeService:
                 ended; or the epoch is not the next one.
         """
         with self.db.transaction() as s:
-            job, trial = self._locked_job_and_trial(s, job_id, trial_id)
+            job, trial = self._job_and_locked_trial(s, job_id, trial_id)
             if report.epoch <= trial.epochs:  # epochs 1..trial.epochs have their rows: a repeat
                 row = s.execute(select(EpochReportRow).where(
                     EpochReportRow.trial_id == trial_id, EpochReportRow.epoch == report.epoch,
@@ -479,11 +492,7 @@ class BatchSizeService:
                 return ReportResult(EpochAnswer(stop=row.stop, reason=row.reason, cost=row.cost,  # type: ignore[arg-type]
                                                 stop_cost=_finite(row.stop_cost)), repeated=True)
             spec = self._spec(job)
-            expired = self._expire_stale(s, job, spec) if trial.status == "running" else 0
             if trial.status != "running":
-                if expired:  # the expiry is kept: end the transaction, then answer 409
-                    s.commit()
-                    self._expired(expired)
                 raise ConflictError(f"trial {trial_id!r} has ended ({trial.outcome}): "
                                     f"epoch {report.epoch} cannot be reported")
             if report.epoch != trial.epochs + 1:
@@ -511,11 +520,10 @@ class BatchSizeService:
                                  reason=answer.reason, cost=answer.cost, stop_cost=answer.stop_cost,
                                  created_at=now))
             ended = None
-            if outcome is not None:
-                self._end(job, spec, trial, outcome)
+            if outcome is not None:  # the policy learns: now the job's row is locked too
+                self._end(self._relock_job(s, job_id), spec, trial, outcome)
                 ended = self.trial_out(trial)
             s.flush()
-        self._expired(expired)
         return ReportResult(answer, repeated=False, ended=ended)
 
     def end_trial(self, job_id: str, trial_id: str, request: TrialEnd) -> tuple[TrialOut, bool]:
@@ -528,9 +536,10 @@ class BatchSizeService:
             NotFoundError: Unknown job or trial.
         """
         with self.db.transaction() as s:
-            job, trial = self._locked_job_and_trial(s, job_id, trial_id)
+            job, trial = self._job_and_locked_trial(s, job_id, trial_id)
             if trial.status != "running":
                 return self.trial_out(trial), False
+            job = self._relock_job(s, job_id)
             spec = self._spec(job)
             if request.status == "aborted" or trial.epochs == 0:
                 outcome = TrialOutcome.ABORTED
