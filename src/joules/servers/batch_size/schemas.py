@@ -7,7 +7,7 @@ Endpoints (JSON; ``Authorization: Bearer TOKEN`` when the server has a token):
 - ``GET /jobs/{job_id}`` -> :class:`JobState`; ``GET /jobs/{job_id}/trials?offset=0&limit=1000``
   -> list of :class:`TrialOut`, oldest first (at most ``limit``, 1..1000, default 1000, after
   skipping ``offset``). Running trials idle for the job's ``stale_after_s`` are ended as
-  ``aborted`` when the job is next read or asked for a trial, or gets an epoch report.
+  ``aborted`` when the job is next read or asked for a trial.
 - ``POST /jobs/{job_id}/trials`` (:class:`TrialCreate`, body optional) -> 201 :class:`TrialOut`:
   the batch size of a new trial; with a ``request_id`` already used for this job, that trial
   again (200). ``GET /jobs/{job_id}/trials/{trial_id}`` -> :class:`TrialOut`.
