@@ -135,6 +135,29 @@ def test_injected_clock_expires_trials(tmp_path: Any) -> None:
         db.dispose()
 
 
+def test_report_to_a_stale_trial_not_yet_expired_is_taken(tmp_path: Any) -> None:
+    """Reports do not expire trials: a late report revives its trial, which then does not expire."""
+    from joules.servers.batch_size.schemas import EpochReport, TrialCreate
+
+    db = dbm.Database(f"sqlite:///{tmp_path / 'late.sqlite'}")
+    dbm.upgrade(db)
+    now = [datetime(2030, 1, 1, tzinfo=UTC)]
+    service = BatchSizeService(db, clock=lambda: now[0])
+    try:
+        job, _ = service.register(JobCreate.model_validate(spec(counting=False, stale_after_s=60.0)))
+        trial, _ = service.start_trial(job.job_id, TrialCreate())
+        now[0] += timedelta(seconds=61)  # stale, but nothing has expired it yet
+        result = service.report(job.job_id, trial.trial_id,
+                                EpochReport(epoch=1, time_s=10.0, energy_j=2000.0, metric=0.1))
+        assert result.answer.stop is False and not result.repeated
+        now[0] += timedelta(seconds=59)  # 59 s after the report: active
+        assert service.job_state(job.job_id).trials == {"running": 1, "ended": 0}
+        got = service.trial(job.job_id, trial.trial_id)
+        assert (got.status, got.epochs) == ("running", 1)
+    finally:
+        db.dispose()
+
+
 def test_migration_fills_last_activity_of_existing_trials(tmp_path: Any) -> None:
     db = dbm.Database(f"sqlite:///{tmp_path / 'm.sqlite'}")
     try:

@@ -310,8 +310,12 @@ class Database:
 
 
 def lock_job(session: Session, job_id: str) -> Job | None:
-    """The job, its row locked until the transaction ends (``FOR UPDATE``; SQLite: already locked)."""
-    return session.execute(select(Job).where(Job.id == job_id).with_for_update()).scalar_one_or_none()
+    """The job, its row locked until the transaction ends (``FOR UPDATE``; SQLite: already locked).
+
+    Its columns are read anew even when the session read the job before the lock.
+    """
+    return session.execute(select(Job).where(Job.id == job_id).with_for_update()
+                           .execution_options(populate_existing=True)).scalar_one_or_none()
 
 
 def alembic_config(connection: Any = None) -> Any:

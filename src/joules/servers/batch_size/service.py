@@ -188,28 +188,19 @@ class BatchSizeService:
         self.policy_factory = policy_factory or default_policy_factory
         self.clock = clock or utcnow
         self.on_expired: Callable[[int], None] | None = None
-        self._policies: dict[str, Policy] = {}
         # Per job id, its spec and policy: a job's spec never changes once registered, so it is
-        # validated once per process, not on every request.
+        # validated, and its policy made, once per process, not on every request.
         self._jobs: dict[str, tuple[JobCreate, Policy]] = {}
-        self._policies_lock = threading.Lock()  # guards the caches only, never held across a transaction
+        self._jobs_lock = threading.Lock()  # guards the cache only, never held across a transaction
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _policy(self, spec: JobCreate) -> Policy:
-        """The (pure, cached) policy object of a job spec."""
-        key = _canonical(spec)
-        policy = self._policies.get(key)
-        if policy is None:
-            try:
-                policy = self.policy_factory(policy_config(spec))
-            except (ValueError, TypeError) as e:
-                raise InvalidError(f"policy {spec.policy!r} rejects this job: {e}") from e
-            with self._policies_lock:
-                if len(self._policies) > 4096:
-                    self._policies.clear()
-                self._policies[key] = policy
-        return policy
+        """A policy object (pure) for a job spec."""
+        try:
+            return self.policy_factory(policy_config(spec))
+        except (ValueError, TypeError) as e:
+            raise InvalidError(f"policy {spec.policy!r} rejects this job: {e}") from e
 
     def _job(self, job: Job) -> tuple[JobCreate, Policy]:
         """The job's spec and policy, validated and made once per process."""
@@ -217,7 +208,7 @@ class BatchSizeService:
         if cached is None:
             spec = JobCreate.model_validate(job.spec)
             cached = (spec, self._policy(spec))
-            with self._policies_lock:
+            with self._jobs_lock:
                 if len(self._jobs) > 4096:
                     self._jobs.clear()
                 self._jobs[job.id] = cached
@@ -274,12 +265,6 @@ class BatchSizeService:
                 raise NotFoundError(f"job {job_id!r} not found")
             raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
         return row[0], row[1]
-
-    @staticmethod
-    def _relock_job(session: Session, job_id: str) -> Job:
-        """The job already read in this session, now its row locked and its columns read again."""
-        return session.execute(select(Job).where(Job.id == job_id).with_for_update()
-                               .execution_options(populate_existing=True)).scalar_one()
 
     @staticmethod
     def _trial(session: Session, job_id: str, trial_id: str) -> Trial:
@@ -521,7 +506,7 @@ class BatchSizeService:
                                  created_at=now))
             ended = None
             if outcome is not None:  # the policy learns: now the job's row is locked too
-                self._end(self._relock_job(s, job_id), spec, trial, outcome)
+                self._end(self._locked_job(s, job_id), spec, trial, outcome)
                 ended = self.trial_out(trial)
             s.flush()
         return ReportResult(answer, repeated=False, ended=ended)
@@ -539,7 +524,7 @@ class BatchSizeService:
             job, trial = self._job_and_locked_trial(s, job_id, trial_id)
             if trial.status != "running":
                 return self.trial_out(trial), False
-            job = self._relock_job(s, job_id)
+            job = self._locked_job(s, job_id)
             spec = self._spec(job)
             if request.status == "aborted" or trial.epochs == 0:
                 outcome = TrialOutcome.ABORTED
