@@ -98,3 +98,27 @@ def test_url_normalization(tmp_path: Path) -> None:
     path = tmp_path / "x.sqlite"
     assert dbm.normalize_url(str(path)).database == str(path)
     assert dbm.safe_url(dbm.normalize_url("postgresql://u:secret@h/db")) == "postgresql+psycopg://u:***@h/db"
+
+
+def test_serve_workers_skip_the_migrations_their_parent_ran(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joules serve --workers N`` migrates once; its workers (``app_from_env``) do not again."""
+    from joules.servers.batch_size.app import app_from_env
+    from joules.servers.batch_size.settings import DB_ENV, MIGRATED_ENV
+
+    url = f"sqlite:///{tmp_path / 'bso.sqlite'}"
+    db = dbm.Database(url)
+    try:
+        monkeypatch.setenv(DB_ENV, url)
+        monkeypatch.setenv(MIGRATED_ENV, url)
+        app_from_env()
+        assert dbm.current_revision(db) is None  # the parent said this database is migrated
+        monkeypatch.setenv(MIGRATED_ENV, f"sqlite:///{tmp_path / 'another.sqlite'}")
+        app_from_env()
+        assert dbm.current_revision(db) == dbm.head_revision()  # another database: migrated
+        dbm.downgrade(db, "base")
+        monkeypatch.delenv(MIGRATED_ENV)
+        app_from_env()
+        assert dbm.current_revision(db) == dbm.head_revision()  # plain uvicorn --factory: migrated
+    finally:
+        db.dispose()

@@ -14,7 +14,13 @@ import tempfile
 import typer
 
 from joules.errors import JoulesError
-from joules.servers.batch_size.settings import DB_ENV, POLICY_ENV, TOKEN_ENV, default_database_url
+from joules.servers.batch_size.settings import (
+    DB_ENV,
+    MIGRATED_ENV,
+    POLICY_ENV,
+    TOKEN_ENV,
+    default_database_url,
+)
 
 SERVER_EXTRA_HINT = "pip install 'joules[server]'"
 
@@ -125,8 +131,10 @@ def _run(url: str, host: str, port: int, workers: int, token: str | None, log_le
         app = appm.create_app(url, token=token, policy_factory=factory, migrate=False)  # type: ignore[arg-type]
         uvicorn.run(app, host=host, port=port, log_level=log_level, http=HTTP_PROTOCOL)
         return 0
-    # The workers are fresh processes: they get their settings from the environment.
+    # The workers are fresh processes: they get their settings from the environment. The
+    # database was migrated above, so they skip that.
     os.environ[DB_ENV] = url
+    os.environ[MIGRATED_ENV] = url
     for name, value in ((TOKEN_ENV, token), (POLICY_ENV, policy_factory)):
         if value:
             os.environ[name] = value

@@ -37,7 +37,13 @@ from joules.servers.batch_size.schemas import (
     TrialOut,
 )
 from joules.servers.batch_size.service import BatchSizeService, InvalidError, PolicyFactory, ServiceError
-from joules.servers.batch_size.settings import DB_ENV, POLICY_ENV, TOKEN_ENV, default_database_url
+from joules.servers.batch_size.settings import (
+    DB_ENV,
+    MIGRATED_ENV,
+    POLICY_ENV,
+    TOKEN_ENV,
+    default_database_url,
+)
 
 METRICS_PREFIX = "joules_bso"
 
@@ -347,10 +353,13 @@ def app_from_env() -> FastAPI:
 
     ``JOULES_SERVER_DB`` (default: the SQLite file in the state directory),
     ``JOULES_SERVER_TOKEN`` and (tests) ``JOULES_SERVER_POLICY_FACTORY`` (``module:attribute``).
+    The database is migrated first unless ``JOULES_SERVER_MIGRATED`` names that same database
+    (``joules serve --workers N`` migrates once, then starts its workers with it set).
 
     For ``uvicorn --factory joules.servers.batch_size.app:app_from_env`` and the workers of
     ``joules serve --workers N``.
     """
     url = os.environ.get(DB_ENV) or default_database_url()
     return create_app(url, token=os.environ.get(TOKEN_ENV) or None,
-                      policy_factory=load_policy_factory(os.environ.get(POLICY_ENV)))
+                      policy_factory=load_policy_factory(os.environ.get(POLICY_ENV)),
+                      migrate=os.environ.get(MIGRATED_ENV) != url)

@@ -12,6 +12,9 @@ TOKEN_ENV = "JOULES_SERVER_TOKEN"
 """The bearer token the server requires on ``/jobs`` and the client sends."""
 POLICY_ENV = "JOULES_SERVER_POLICY_FACTORY"
 """``module:attribute`` of a callable that makes the policies (tests)."""
+MIGRATED_ENV = "JOULES_SERVER_MIGRATED"
+"""The database URL ``joules serve --workers N`` migrated before starting its workers, which then
+skip the migrations when their database is this one."""
 DEFAULT_DB_FILE = "batch-size.sqlite"
 
 
