@@ -22,10 +22,11 @@ per-epoch cost model shared across batch sizes; the temperature of Thompson samp
 upward-first pass; that pass going on to the end), so each part's worth shows. ``--set
 NAME=VALUE`` runs joules' policy with a setting changed (``margin``, ``temperature``, ...).
 ``--stop-after`` makes joules' simulator stop a trial after the epoch that crossed the stop
-cost, not before it.
+cost, not before it. ``--blocks K`` judges the goal again on each block of K consecutive seeds
+(with ``--seeds 20 --blocks 5``: how a 5-seed verdict moves with the seeds).
 
 Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--gpus v100,a40]
-[--ablation] [--set NAME=VALUE ...] [--stop-after] [--no-zeus] [--json PATH]`` (from the
+[--ablation] [--set NAME=VALUE ...] [--stop-after] [--no-zeus] [--blocks K] [--json PATH]`` (from the
 repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``; ``--no-zeus``
 runs joules alone).
 """
@@ -164,6 +165,29 @@ def summarize(res: dict[str, Any], job: JobTrace, eta: float) -> None:
                gap_pct_per_seed=[100 * (r["cost"] / (n * o.cost) - 1) for r in runs])
 
 
+def judge_blocks(console: Console, rows: list[dict[str, Any]], jobs: list[JobTrace], seeds: list[int],
+                 k: int, eta: float) -> None:
+    """Judge the goal again on each block of ``k`` consecutive seeds, as a ``k``-seed run would."""
+    for start in range(0, len(seeds) - k + 1, k):
+        block = {str(s) for s in seeds[start:start + k]}
+        missed = []
+        for row, job in zip(rows, jobs, strict=True):
+            part = {}
+            for name in ("joules", "zeus (original)"):
+                res = {"runs": {s: r for s, r in row["policies"][name]["runs"].items() if s in block}}
+                summarize(res, job, eta)
+                part[name] = res
+            j, z = part["joules"], part["zeus (original)"]
+            saved = j["energy_saved_pct"] - z["energy_saved_pct"]
+            ratio = j["gap_pct"] / z["gap_pct"]
+            if saved < 0 or ratio > 0.5:
+                missed.append(f"{job.gpu} {job.spec.workload} (saved {saved:+.2f} points, "
+                              f"gap ratio {ratio:.2f})")
+        met = len(rows) - len(missed)
+        console.print(f"seeds {seeds[start]}-{seeds[start + k - 1]}: goal met on {met} of {len(rows)}"
+                      + (f"; missed: {', '.join(missed)}" if missed else ""))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared" / "data" / "nsdi23-traces")
@@ -177,6 +201,9 @@ def main() -> int:
     ap.add_argument("--stop-after", action="store_true",
                     help="joules' simulator stops a trial after the epoch that crossed the stop cost")
     ap.add_argument("--no-zeus", action="store_true", help="skip the original (Zeus) simulator")
+    ap.add_argument("--blocks", type=int, default=0, metavar="K",
+                    help="also judge the goal on each block of K consecutive seeds "
+                         "(e.g. --seeds 20 --blocks 5)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the raw results")
     args = ap.parse_args()
     if not args.traces.is_dir():
@@ -266,6 +293,8 @@ def main() -> int:
         console.print(f"goal (joules saves at least the original's energy, at most half its gap) met on "
                       f"{met} of {len(rows)}: savings on {sum(r['goal_savings'] for r in rows)}, "
                       f"gap on {sum(r['goal_gap'] for r in rows)}")
+    if args.blocks and not args.no_zeus:
+        judge_blocks(console, rows, jobs, seeds, args.blocks, args.eta)
     if args.ablation:
         names = ["joules", *ABLATIONS, "nsdi23"]
         a = Table(title="Ablation: gap to the best configuration in hindsight (cost above it)")

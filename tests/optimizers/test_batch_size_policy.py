@@ -177,7 +177,7 @@ def test_joules_temperature_below_one_explores_less_among_close_batch_sizes() ->
                 state = policy.observe(state, close_job(d.batch_size, rng))
         return picks
 
-    assert JoulesPolicy.temperature == 0.4
+    assert JoulesPolicy.temperature == 0.25
     plain, tempered = worse_picks(1.0), worse_picks(0.5)
     assert tempered < 0.8 * plain, (tempered, plain)
 

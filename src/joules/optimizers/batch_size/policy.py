@@ -459,7 +459,7 @@ class JoulesPolicy(_BasePolicy):
     spread_prior = 0.1
     spread_prior_weight = 1.0
     extrapolate = True
-    temperature = 0.4
+    temperature = 0.25
     up_first_fraction = 1 / 3
     up_first_to_end = True
 
