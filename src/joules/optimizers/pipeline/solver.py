@@ -19,8 +19,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
 
 ``"fast"``
     1. The convex relaxation, in microseconds: each computation's options are replaced by
-       the lower convex hull of (time, effective energy), neighbouring segments with nearly
-       equal slopes or a short span merged. It is walked from the relaxed plan of least
+       the lower convex hull of (time, effective energy), neighbouring segments that
+       together span at most 4 units merged. It is walked from the relaxed plan of least
        energy (a linear program; the slowest plan without SciPy or blocking power) to the
        fastest by shortening every critical path at least cost per unit, a minimum cut over
        the critical computations (Phillips-Dessouky; a computation crossed backwards is
@@ -66,9 +66,8 @@ except ImportError:  # pragma: no cover - exercised where SciPy is absent
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
 PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
-SPAN_UNITS = 4  # hull segments shorter than this many units are merged
+SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
-HULL_TOLERANCE = 0.1  # neighbouring hull segments whose slopes differ by less than 10 % are merged
 _INF = 1 << 62
 
 
@@ -164,21 +163,17 @@ def _hull(ds: list[int], cs: list[float]) -> tuple[list[int], list[float]]:
     return hx, hy
 
 
-def _simplify(xs: list[int], ys: list[float], tol: float, span: int = 0) -> tuple[list[int], list[float]]:
-    """Fewer hull vertices: merge neighbouring segments whose slopes differ by at most ``tol`` (relative).
+def _simplify(xs: list[int], ys: list[float], span: int) -> tuple[list[int], list[float]]:
+    """Fewer hull vertices: neighbouring segments are merged while together they span at most ``span``.
 
-    The merged chord lies on or above the hull, so the result is still convex; marginal costs
-    change by at most ``tol``, which is what the minimum cuts compare.
+    The merged chord lies on or above the hull, so the result is still convex; fewer, longer
+    segments mean fewer cuts in the relaxation walk.
     """
     kx, ky = [xs[0]], [ys[0]]
     i = 0
     while i < len(xs) - 1:
         j = i + 1
-        first = (ys[i] - ys[i + 1]) / (xs[i + 1] - xs[i])
-        while j + 1 < len(xs):
-            nxt = (ys[j] - ys[j + 1]) / (xs[j + 1] - xs[j])
-            if first - nxt > tol * first and xs[j + 1] - xs[i] > span:
-                break
+        while j + 1 < len(xs) and xs[j + 1] - xs[i] <= span:
             j += 1
         kx.append(xs[j])
         ky.append(ys[j])
@@ -191,10 +186,10 @@ class _Hull:
 
     __slots__ = ("xs", "ys", "slopes")
 
-    def __init__(self, ds: list[int], cs: list[float], tolerance: float = 0.0, span: int = 0) -> None:
+    def __init__(self, ds: list[int], cs: list[float], span: int = 0) -> None:
         xs, ys = _hull(ds, cs)
-        if (tolerance > 0 or span > 0) and len(xs) > 2:
-            xs, ys = _simplify(xs, ys, tolerance, span)
+        if span > 0 and len(xs) > 2:
+            xs, ys = _simplify(xs, ys, span)
         self.xs, self.ys = xs, ys
         # Saving per unit of lengthening on each segment (non-increasing: the hull is convex).
         self.slopes = [(ys[i] - ys[i + 1]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
@@ -731,7 +726,7 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     for v, c in enumerate(p.dag.nodes):
         key = (c.stage, c.kind)  # computations of one stage and kind share their options
         if key not in shared:
-            shared[key] = _Hull(p.durations[v], p.costs[v], HULL_TOLERANCE, grid * SPAN_UNITS)
+            shared[key] = _Hull(p.durations[v], p.costs[v], grid * SPAN_UNITS)
         hulls.append(shared[key])
     t_min = p.makespan([ds[0] for ds in p.durations])
     dur = [h.xs[-1] for h in hulls]
