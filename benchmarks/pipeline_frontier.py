@@ -17,10 +17,13 @@ idle GPU time), the same evaluation joules' plans get. At each lowtime plan's it
 T, joules' energy is that of its least-energy plan no slower than T. Reported: solve times and
 speed-up, how many of lowtime's points joules beats / ties / loses and by how much, and the
 energy saved at the fastest iteration time against running everything at the highest clock.
+Where joules is higher, a line says at how many distinct lowtime plans, from how far into
+lowtime's time range, and how joules' clocks differ from lowtime's at the worst point.
 
 Goal: joules at least 10x faster on every case, with energy no higher at any point.
 
-Run: ``python benchmarks/pipeline_frontier.py [--quick] [--json PATH]`` from the repository root.
+Run: ``python benchmarks/pipeline_frontier.py [--quick] [--case CURVE:SxM:MS ...] [--json PATH]``
+from the repository root.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ class Row:
     cuts: int
     rebuilds: int
     refreshes: int
+    higher_plans: int  # distinct lowtime plans (time, energy) where joules is higher
+    higher_from_pct: float  # earliest of them, % into lowtime's time range (fastest = 0)
+    worst_changes: list[str]  # at the worst point, computations where joules' clock differs
 
 
 def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, seed: int, tmp: Path) -> Row:
@@ -111,6 +117,15 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
     diffs = [(frontier.energy_at(p.time_s) - p.energy_j) / p.energy_j * 100 for p in plans]
     tol = 1e-7
     fastest_lt = min(plans, key=lambda p: (p.time_s, p.energy_j))
+    higher = [p for p, d in zip(plans, diffs, strict=True) if d > tol]
+    lt_lo, lt_hi = fastest_lt.time_s, max(p.time_s for p in plans)
+    worst_changes = []
+    if higher:
+        worst = plans[max(range(len(plans)), key=diffs.__getitem__)]
+        ours = frontier.plan_for_time(worst.time_s)
+        worst_changes = [f"stage {c.stage} {c.kind} {c.microbatch}: {a - b:+d}"
+                         for c, a, b in zip(dag.nodes, ours.frequencies, worst.frequencies, strict=True)
+                         if a != b]
     top = frontier.max_frequency
     return Row(
         curve=curve, stages=stages, microbatches=mbs, unit_ms=unit * 1000,
@@ -126,6 +141,10 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         cuts=int(frontier.meta.get("relaxation_cuts", 0)),  # type: ignore[call-overload]
         rebuilds=int(frontier.meta.get("rebuilds", 0)),  # type: ignore[call-overload]
         refreshes=int(frontier.meta.get("refreshes", 0)),  # type: ignore[call-overload]
+        higher_plans=len({(round(p.time_s, 9), round(p.energy_j, 6)) for p in higher}),
+        higher_from_pct=(100 * (min(p.time_s for p in higher) - lt_lo) / (lt_hi - lt_lo)
+                         if higher and lt_hi > lt_lo else 0.0),
+        worst_changes=worst_changes,
     )
 
 
@@ -134,15 +153,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three small cases")
     parser.add_argument("--forward-ms", type=float, default=100.0, help="forward time at the highest clock")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--case", action="append", default=[], metavar="CURVE:SxM:MS",
+                        help="run this case only (e.g. v100:4x8:1; repeatable)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
+    cases = QUICK if args.quick else FULL
+    if args.case:
+        try:
+            cases = [(c, int(sm.split("x")[0]), int(sm.split("x")[1]), float(ms) / 1000)
+                     for c, sm, ms in (item.split(":") for item in args.case)]
+        except ValueError:
+            sys.exit(f"bad --case {args.case!r}: expected CURVE:SxM:MS, e.g. v100:4x8:1")
     if not PEER_PYTHON.exists():
         sys.exit(f"{PEER_PYTHON} not found: python3 -m venv .bench-venv && "
                  ".bench-venv/bin/pip install lowtime==0.3.0")
     console = Console()
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for curve, s, m, unit in QUICK if args.quick else FULL:
+        for curve, s, m, unit in cases:
             console.print(f"[dim]{curve} {s}x{m} @ {unit * 1000:g} ms ...[/dim]")
             rows.append(run_case(curve, s, m, unit, args.forward_ms, args.seed, Path(tmp)))
     table = Table(title="1F1B time-energy frontier: joules vs lowtime 0.3.0")
@@ -168,6 +196,13 @@ def main() -> None:
                      f"{r.joules_min_time_s:.3f}-{r.joules_max_time_s:.3f}",
                      f"{r.lowtime_min_time_s:.3f}-{r.lowtime_max_time_s:.3f}")
     console.print(walk)
+    for r in rows:
+        if r.worse:
+            console.print(f"{r.curve} {r.stages}x{r.microbatches} @ {r.unit_ms:g} ms: joules is higher at "
+                          f"{r.worse} points ({r.higher_plans} distinct lowtime plans), the fastest of them "
+                          f"{r.higher_from_pct:.0f} % into lowtime's time range; at the worst point joules' "
+                          f"clock differs (MHz, joules - lowtime) on {len(r.worst_changes)} computations: "
+                          + ", ".join(r.worst_changes))
     met = sum(r.speedup >= 10 and r.worse == 0 for r in rows)
     ok = met == len(rows)
     console.print(f"goal (>= 10x faster, energy never higher) met on {met}"
