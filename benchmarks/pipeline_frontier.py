@@ -14,9 +14,9 @@ Both solve times cover reading the options and solving (lowtime's excludes recor
 per-iteration frequencies). Each is the best of ``--repeat`` runs (default 3; lowtime, in a
 fresh process each time, is run again only while its runs take under 10 s, so the large
 cases are timed once): a single run of a 50 ms solve moves by 10-20 % with what else the
-machine is doing and with first-call costs. Every plan lowtime yields is evaluated with its real profiled
-times and energies (iteration time = longest path; energy = computations + blocking power x
-idle GPU time), the same evaluation joules' plans get. At each lowtime plan's iteration time
+machine is doing and with first-call costs. Every plan lowtime yields is evaluated with its
+real profiled times and energies (iteration time = longest path; energy = computations +
+blocking power x idle GPU time), the same evaluation joules' plans get. At each lowtime plan's iteration time
 T, joules' energy is that of its least-energy plan no slower than T. Reported: solve times and
 speed-up, how many of lowtime's points joules beats / ties / loses and by how much, and the
 energy saved at the fastest iteration time against running everything at the highest clock.
