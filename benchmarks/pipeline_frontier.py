@@ -16,10 +16,11 @@ fresh process each time, is run again only while its runs take under 10 s, so th
 cases are timed once): a single run of a 50 ms solve moves by 10-20 % with what else the
 machine is doing and with first-call costs. Every plan lowtime yields is evaluated with its
 real profiled times and energies (iteration time = longest path; energy = computations +
-blocking power x idle GPU time), the same evaluation joules' plans get. At each lowtime plan's iteration time
-T, joules' energy is that of its least-energy plan no slower than T. Reported: solve times and
-speed-up, how many of lowtime's points joules beats / ties / loses and by how much, and the
-energy saved at the fastest iteration time against running everything at the highest clock.
+blocking power x idle GPU time), the same evaluation joules' plans get. At each lowtime
+plan's iteration time T, joules' energy is that of its least-energy plan no slower than T.
+Reported: solve times and speed-up, how many of lowtime's points joules beats / ties / loses
+and by how much, and the energy saved at the fastest iteration time against running
+everything at the highest clock.
 Where joules is higher, a line says at how many distinct lowtime plans, from how far into
 lowtime's time range, and how joules' clocks differ from lowtime's at the worst point.
 
@@ -45,7 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from joules.optimizers.pipeline.frontier import evaluate
-from joules.optimizers.pipeline.profile import blocking_power_w, synthetic_profile
+from joules.optimizers.pipeline.profile import CURVES, blocking_power_w, synthetic_profile
 from joules.optimizers.pipeline.schedule import Computation, build_dag
 from joules.optimizers.pipeline.solver import solve
 
@@ -151,7 +152,7 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         saved_joules_pct=(1 - frontier.fastest.energy_j / top.energy_j) * 100,
         saved_lowtime_pct=(1 - fastest_lt.energy_j / top.energy_j) * 100,
         lowtime_min_time_s=fastest_lt.time_s, joules_min_time_s=frontier.min_time_s,
-        lowtime_max_time_s=max(p.time_s for p in plans), joules_max_time_s=frontier.plans[-1].time_s,
+        lowtime_max_time_s=lt_hi, joules_max_time_s=frontier.plans[-1].time_s,
         cuts=int(frontier.meta.get("relaxation_cuts", 0)),  # type: ignore[call-overload]
         rebuilds=int(frontier.meta.get("rebuilds", 0)),  # type: ignore[call-overload]
         refreshes=int(frontier.meta.get("refreshes", 0)),  # type: ignore[call-overload]
@@ -180,6 +181,10 @@ def main() -> None:
                      for c, sm, ms in (item.split(":") for item in args.case)]
         except ValueError:
             sys.exit(f"bad --case {args.case!r}: expected CURVE:SxM:MS, e.g. v100:4x8:1")
+        unknown = sorted({c for c, *_ in cases} - set(CURVES))
+        if unknown:
+            sys.exit(f"bad --case: unknown GPU curve {', '.join(unknown)}; "
+                     f"choose one of {', '.join(CURVES)}")
     if not PEER_PYTHON.exists():
         sys.exit(f"{PEER_PYTHON} not found: python3 -m venv .bench-venv && "
                  ".bench-venv/bin/pip install lowtime==0.3.0")
