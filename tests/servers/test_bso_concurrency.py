@@ -245,3 +245,40 @@ def test_postgres_reports_lock_their_trial_and_the_job_only_to_end_it(
     finally:
         holder.close()
         db.dispose()
+
+
+async def _request_threads() -> int:
+    from anyio import to_thread
+
+    return int(to_thread.current_default_thread_limiter().total_tokens)
+
+
+def test_requests_take_as_many_threads_as_the_pool_keeps_connections(
+        bso_backend: str, bso_databases: Callable[[str], str]) -> None:
+    """One thread per pooled connection (SQLite 1, PostgreSQL 4), not the default 40."""
+    from fastapi.testclient import TestClient
+
+    from joules.servers.batch_size.app import create_app
+
+    app = create_app(bso_databases(bso_backend), token=TOKEN)
+    with TestClient(app) as c:
+        threads = c.portal.call(_request_threads)  # type: ignore[union-attr]
+        service = app.state.service
+        assert threads == service.db.concurrency == {"sqlite": 1, "postgresql": 4}[bso_backend]
+        # Twice as many concurrent reports as threads all get their answers.
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        job = c.post("/jobs", json=spec(), headers=auth).json()["job_id"]
+        trials = [c.post(f"/jobs/{job}/trials", headers=auth).json()["trial_id"] for _ in range(2 * threads)]
+        answers: list[int] = []
+
+        def report(trial: str) -> None:
+            r = c.post(f"/jobs/{job}/trials/{trial}/epochs", headers=auth,
+                       json={"epoch": 1, "time_s": 1.0, "energy_j": 10.0, "metric": 0.1})
+            answers.append(r.status_code)
+
+        workers = [threading.Thread(target=report, args=(t,)) for t in trials]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+        assert answers == [200] * len(trials)

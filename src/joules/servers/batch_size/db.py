@@ -231,11 +231,13 @@ def make_engine(database_url: str | URL, pool_size: int | None = None) -> Engine
 
     Args:
         database_url: The database.
-        pool_size: Connections kept per process (and as many more when busy). Default: 8 on
-            PostgreSQL; 1 on SQLite, with no more when busy: SQLite has one writer at a time,
-            and requests waiting for the pool's one connection are served in turn, where
+        pool_size: Connections kept per process (and twice as many more when busy). Default:
+            4 on PostgreSQL; 1 on SQLite, with no more when busy: SQLite has one writer at a
+            time, and requests waiting for the pool's one connection are served in turn, where
             connections waiting for SQLite's lock would poll it with growing sleeps (a long
-            tail of latencies). Other processes still wait on the lock itself.
+            tail of latencies). Other processes still wait on the lock itself. The server runs
+            as many requests at once as the pool keeps connections
+            (:attr:`Database.concurrency`).
 
     Raises:
         JoulesError: Bad URL, or the database's driver is not installed.
@@ -250,7 +252,7 @@ def make_engine(database_url: str | URL, pool_size: int | None = None) -> Engine
                 connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
             _sqlite_setup(engine)
         else:
-            size = pool_size or 8
+            size = pool_size or 4
             engine = create_engine(url, pool_size=size, max_overflow=2 * size, pool_pre_ping=True,
                                    pool_timeout=120, connect_args={"connect_timeout": 10})
     except (ModuleNotFoundError, NoSuchModuleError) as e:
@@ -271,6 +273,8 @@ class Database:
         self.url = database_url if isinstance(database_url, URL) else normalize_url(database_url)
         self.engine = make_engine(self.url, pool_size=pool_size)
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
+        # How many transactions the process should run at once: the connections its pool keeps.
+        self.concurrency: int = self.engine.pool.size()  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def transaction(self, write: bool = True) -> Iterator[Session]:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, func, select
+from sqlalchemy import ColumnElement, Row, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
@@ -167,6 +167,29 @@ class ReportResult:
     ended: TrialOut | None = None
 
 
+# The statements of an epoch report, built once (see BatchSizeService.report).
+_LOCK_TRIAL = (
+    select(Trial.status, Trial.outcome, Trial.epochs, Trial.time_s, Trial.energy_j, Trial.stop_cost,
+           Job.stop_cost.label("job_stop_cost"))
+    .join(Job, Trial.job_id == Job.id)
+    .where(Job.id == bindparam("job_id"), Trial.id == bindparam("trial_id"))
+    .with_for_update(of=Trial.__table__)
+)
+_JOB_EXISTS = select(Job.id).where(Job.id == bindparam("job_id"))
+_JOB_SPEC = select(Job.spec).where(Job.id == bindparam("job_id"))
+_EPOCH_ROW = (
+    select(EpochReportRow.time_s, EpochReportRow.energy_j, EpochReportRow.metric, EpochReportRow.stop,
+           EpochReportRow.reason, EpochReportRow.cost, EpochReportRow.stop_cost)
+    .where(EpochReportRow.trial_id == bindparam("trial_id"), EpochReportRow.epoch == bindparam("epoch"))
+)
+_UPDATE_TRIAL = (
+    update(Trial.__table__).where(Trial.__table__.c.id == bindparam("trial_id"))
+    .values(last_activity_at=bindparam("last_activity_at"), epochs=bindparam("epochs"),
+            time_s=bindparam("time_s"), energy_j=bindparam("energy_j"), cost=bindparam("cost"))
+)
+_INSERT_EPOCH = insert(EpochReportRow.__table__)
+
+
 class BatchSizeService:
     """The server's logic (no HTTP): every method is one database transaction.
 
@@ -204,14 +227,18 @@ class BatchSizeService:
 
     def _job(self, job: Job) -> tuple[JobCreate, Policy]:
         """The job's spec and policy, validated and made once per process."""
-        cached = self._jobs.get(job.id)
+        return self._job_by_id(job.id, lambda: job.spec)
+
+    def _job_by_id(self, job_id: str, load_spec: Callable[[], dict[str, Any]]) -> tuple[JobCreate, Policy]:
+        """The spec and policy of job ``job_id``; ``load_spec`` gives its stored spec on a cache miss."""
+        cached = self._jobs.get(job_id)
         if cached is None:
-            spec = JobCreate.model_validate(job.spec)
+            spec = JobCreate.model_validate(load_spec())
             cached = (spec, self._policy(spec))
             with self._jobs_lock:
                 if len(self._jobs) > 4096:
                     self._jobs.clear()
-                self._jobs[job.id] = cached
+                self._jobs[job_id] = cached
         return cached
 
     def _spec(self, job: Job) -> JobCreate:
@@ -459,24 +486,33 @@ class BatchSizeService:
     def report(self, job_id: str, trial_id: str, report: EpochReport) -> ReportResult:
         """Take one epoch's report and say whether the trial should stop.
 
+        The most frequent request, so it runs as plain SQL statements rather than through the
+        ORM's unit of work: lock the trial's row and read what the answer needs, update the
+        trial's totals, insert the epoch. Only a report that ends the trial loads the trial
+        and the job (locked) as objects, for the policy to learn.
+
         Raises:
             NotFoundError: Unknown job or trial.
             ConflictError: The epoch was reported before with other values; the trial has
                 ended; or the epoch is not the next one.
         """
         with self.db.transaction() as s:
-            job, trial = self._job_and_locked_trial(s, job_id, trial_id)
+            conn = s.connection()
+            ids = {"job_id": job_id, "trial_id": trial_id}
+            trial = conn.execute(_LOCK_TRIAL, ids).first()
+            if trial is None:
+                if conn.execute(_JOB_EXISTS, ids).first() is None:
+                    raise NotFoundError(f"job {job_id!r} not found")
+                raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
             if report.epoch <= trial.epochs:  # epochs 1..trial.epochs have their rows: a repeat
-                row = s.execute(select(EpochReportRow).where(
-                    EpochReportRow.trial_id == trial_id, EpochReportRow.epoch == report.epoch,
-                )).scalar_one()
+                row = conn.execute(_EPOCH_ROW, {"trial_id": trial_id, "epoch": report.epoch}).one()
                 if (row.time_s, row.energy_j, row.metric) != (report.time_s, report.energy_j, report.metric):
                     raise ConflictError(
                         f"epoch {report.epoch} of trial {trial_id!r} was already reported with other values "
                         f"(time_s={row.time_s!r}, energy_j={row.energy_j!r}, metric={row.metric!r})")
-                return ReportResult(EpochAnswer(stop=row.stop, reason=row.reason, cost=row.cost,  # type: ignore[arg-type]
+                return ReportResult(EpochAnswer(stop=row.stop, reason=row.reason, cost=row.cost,
                                                 stop_cost=_finite(row.stop_cost)), repeated=True)
-            spec = self._spec(job)
+            spec = self._job_by_id(job_id, lambda: conn.execute(_JOB_SPEC, ids).scalar_one())[0]
             if trial.status != "running":
                 raise ConflictError(f"trial {trial_id!r} has ended ({trial.outcome}): "
                                     f"epoch {report.epoch} cannot be reported")
@@ -484,31 +520,34 @@ class BatchSizeService:
                 raise ConflictError(f"epoch {report.epoch} of trial {trial_id!r} is out of order: "
                                     f"the next epoch is {trial.epochs + 1}")
             now = self.clock()
-            trial.last_activity_at = now
-            trial.epochs = report.epoch
-            trial.time_s += report.time_s
-            trial.energy_j += report.energy_j
-            trial.cost = trial_cost(spec.eta, spec.max_power_w, trial.energy_j, trial.time_s)
-            bound = stop_bound(job.stop_cost, trial.stop_cost)
+            time_s = trial.time_s + report.time_s
+            energy_j = trial.energy_j + report.energy_j
+            cost = trial_cost(spec.eta, spec.max_power_w, energy_j, time_s)
+            bound = stop_bound(trial.job_stop_cost, trial.stop_cost)
             outcome: TrialOutcome | None = None
             if reached(spec, report.metric):
                 outcome = TrialOutcome.REACHED
             elif report.epoch >= spec.max_epochs:
                 outcome = TrialOutcome.MAX_EPOCHS
-            elif bound is not None and trial.cost + trial_cost(
+            elif bound is not None and cost + trial_cost(
                     spec.eta, spec.max_power_w, report.energy_j, report.time_s) > bound:
                 outcome = TrialOutcome.EARLY_STOPPED
             answer = EpochAnswer(stop=outcome is not None, reason=outcome.value if outcome else None,  # type: ignore[arg-type]
-                                 cost=trial.cost, stop_cost=_finite(bound))
-            s.add(EpochReportRow(trial_id=trial_id, epoch=report.epoch, time_s=report.time_s,
-                                 energy_j=report.energy_j, metric=report.metric, stop=answer.stop,
-                                 reason=answer.reason, cost=answer.cost, stop_cost=answer.stop_cost,
-                                 created_at=now))
+                                 cost=cost, stop_cost=_finite(bound))
+            conn.execute(_UPDATE_TRIAL, {"trial_id": trial_id, "last_activity_at": now,
+                                         "epochs": report.epoch, "time_s": time_s, "energy_j": energy_j,
+                                         "cost": cost})
+            conn.execute(_INSERT_EPOCH, {
+                "trial_id": trial_id, "epoch": report.epoch, "time_s": report.time_s,
+                "energy_j": report.energy_j, "metric": report.metric, "stop": answer.stop,
+                "reason": answer.reason, "cost": answer.cost, "stop_cost": answer.stop_cost,
+                "created_at": now})
             ended = None
             if outcome is not None:  # the policy learns: now the job's row is locked too
-                self._end(self._locked_job(s, job_id), spec, trial, outcome)
-                ended = self.trial_out(trial)
-            s.flush()
+                trial_row = s.get_one(Trial, trial_id)  # read after the update above
+                self._end(self._locked_job(s, job_id), spec, trial_row, outcome)
+                s.flush()
+                ended = self.trial_out(trial_row)
         return ReportResult(answer, repeated=False, ended=ended)
 
     def end_trial(self, job_id: str, trial_id: str, request: TrialEnd) -> tuple[TrialOut, bool]:
