@@ -5,7 +5,9 @@ trials back to back: start a trial, report epochs until told to stop (the metric
 target at epoch ``--epochs``), end the trial. Two scenarios: all clients on ONE job (every
 request of the job is serialized by its row lock) and one job PER client. Measured over
 ``--duration`` seconds after ``--warmup``: epoch reports completed per second, their p50 and
-p99 latency, and all requests per second.
+p99 latency, and all requests per second. ``--repeat N`` measures everything N times, in
+rounds (every server in turn, so that a slow spell of the machine touches all of them), and
+reports each figure's median, with the range of reports/s.
 
 Servers, each on a fresh database:
 
@@ -38,6 +40,7 @@ import os
 import platform
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,6 +156,21 @@ class Result:
     client_cpu_s: float = 0.0
     note: str = ""
     error_samples: list[str] = field(default_factory=list)
+    runs_reports_per_s: list[float] = field(default_factory=list)  # each run's, with --repeat
+
+
+def median_result(runs: list[Result]) -> Result:
+    """One result for several runs of the same server, backend and scenario: each figure's median."""
+    med = statistics.median
+    first = runs[0]
+    return Result(
+        first.server, first.backend, first.scenario,
+        reports_per_s=med(r.reports_per_s for r in runs), requests_per_s=med(r.requests_per_s for r in runs),
+        p50_ms=med(r.p50_ms for r in runs), p99_ms=med(r.p99_ms for r in runs),
+        errors=sum(r.errors for r in runs), trials=sum(r.trials for r in runs),
+        client_cpu_s=sum(r.client_cpu_s for r in runs),
+        error_samples=[e for r in runs for e in r.error_samples][:5],
+        runs_reports_per_s=[r.reports_per_s for r in runs])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -309,34 +327,49 @@ def run(args: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="joules-server-load-") as tmpdir:
         tmp = Path(tmpdir)
-        for backend in backends:
-            for kind, workers in servers:
-                label = kind if kind == "Zeus" else f"joules ({workers} worker{'s' if workers > 1 else ''})"
-                with database(backend, tmp, async_driver=kind == "Zeus") as db_url:
-                    if kind == "Zeus":
-                        server: Any = ZeusServer(args.zeus_venv, db_url, tmp / "zeus.log").start()
-                        api: Any = ZeusApi()
-                        headers: dict[str, str] = {}
-                    else:
-                        server = ServerProcess(db_url, tmp / "joules.log", workers=workers, token="bench")
-                        server.start()
-                        api = JoulesApi()
-                        headers = server.headers
-                    try:
-                        for scenario, n_jobs in scenarios:
-                            result = Result(label, backend, scenario)
-                            jobs = asyncio.run(register_jobs(api, server.url, headers, n_jobs, args.epochs))
-                            asyncio.run(load(api, server.url, headers, jobs, args.clients, args.epochs,
-                                             args.warmup, args.duration, result))
-                            results.append(result)
-                            console.print(f"{backend:10} {label:20} {scenario:8}: "
-                                          f"{result.reports_per_s:7.0f} reports/s,"
-                                          f" p50 {result.p50_ms:6.1f} ms, p99 {result.p99_ms:6.1f} ms,"
-                                          f" {result.errors} errors, client CPU {result.client_cpu_s:.1f} s")
-                            for sample in result.error_samples:
-                                console.print(f"  [red]{sample}")
-                    finally:
-                        server.stop()
+        # Rounds of every server in turn, so that a slow spell of the machine is shared.
+        for round_ in range(args.repeat):
+            if args.repeat > 1:
+                console.print(f"round {round_ + 1} of {args.repeat}")
+            results += one_round(args, console, tmp, backends, servers, scenarios)
+    groups: dict[tuple[str, str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.server, r.backend, r.scenario), []).append(r)
+    return [median_result(runs) for runs in groups.values()]
+
+
+def one_round(args: argparse.Namespace, console: Console, tmp: Path, backends: list[str],
+              servers: list[tuple[str, int]], scenarios: list[tuple[str, int]]) -> list[Result]:
+    """Every server, backend and scenario once, each server on a fresh database."""
+    results: list[Result] = []
+    for backend in backends:
+        for kind, workers in servers:
+            label = kind if kind == "Zeus" else f"joules ({workers} worker{'s' if workers > 1 else ''})"
+            with database(backend, tmp, async_driver=kind == "Zeus") as db_url:
+                if kind == "Zeus":
+                    server: Any = ZeusServer(args.zeus_venv, db_url, tmp / "zeus.log").start()
+                    api: Any = ZeusApi()
+                    headers: dict[str, str] = {}
+                else:
+                    server = ServerProcess(db_url, tmp / "joules.log", workers=workers, token="bench")
+                    server.start()
+                    api = JoulesApi()
+                    headers = server.headers
+                try:
+                    for scenario, n_jobs in scenarios:
+                        result = Result(label, backend, scenario)
+                        jobs = asyncio.run(register_jobs(api, server.url, headers, n_jobs, args.epochs))
+                        asyncio.run(load(api, server.url, headers, jobs, args.clients, args.epochs,
+                                         args.warmup, args.duration, result))
+                        results.append(result)
+                        console.print(f"{backend:10} {label:20} {scenario:8}: "
+                                      f"{result.reports_per_s:7.0f} reports/s,"
+                                      f" p50 {result.p50_ms:6.1f} ms, p99 {result.p99_ms:6.1f} ms,"
+                                      f" {result.errors} errors, client CPU {result.client_cpu_s:.1f} s")
+                        for sample in result.error_samples:
+                            console.print(f"  [red]{sample}")
+                finally:
+                    server.stop()
     return results
 
 
@@ -356,7 +389,9 @@ def table(results: list[Result], clients: int) -> Table:
                 row += ["—", "—"]
             else:
                 err = f" ({r.errors} err)" if r.errors else ""
-                row += [f"{r.reports_per_s:.0f}{err}", f"{r.p50_ms:.1f} / {r.p99_ms:.1f}"]
+                spread = (f" ({min(r.runs_reports_per_s):.0f}-{max(r.runs_reports_per_s):.0f})"
+                          if len(r.runs_reports_per_s) > 1 else "")
+                row += [f"{r.reports_per_s:.0f}{spread}{err}", f"{r.p50_ms:.1f} / {r.p99_ms:.1f}"]
         t.add_row(*row)
     return t
 
@@ -370,6 +405,8 @@ def main() -> int:
                     help="seconds before measuring; default: %(default)s")
     ap.add_argument("--zeus-venv", type=Path, default=DEFAULT_ZEUS_VENV, help="default: %(default)s")
     ap.add_argument("--quick", action="store_true", help="3 s per run after 1 s of warm-up")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run every measurement N times, in rounds, and report medians; default: %(default)s")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.quick:
