@@ -160,15 +160,15 @@ class Result:
 
 
 def median_result(runs: list[Result]) -> Result:
-    """One result for several runs of the same server, backend and scenario: each figure's median."""
+    """One result for several runs of one server, backend and scenario: medians (errors: their total)."""
     med = statistics.median
     first = runs[0]
     return Result(
         first.server, first.backend, first.scenario,
         reports_per_s=med(r.reports_per_s for r in runs), requests_per_s=med(r.requests_per_s for r in runs),
         p50_ms=med(r.p50_ms for r in runs), p99_ms=med(r.p99_ms for r in runs),
-        errors=sum(r.errors for r in runs), trials=sum(r.trials for r in runs),
-        client_cpu_s=sum(r.client_cpu_s for r in runs),
+        errors=sum(r.errors for r in runs), trials=round(med(r.trials for r in runs)),
+        client_cpu_s=med(r.client_cpu_s for r in runs),
         error_samples=[e for r in runs for e in r.error_samples][:5],
         runs_reports_per_s=[r.reports_per_s for r in runs])
 

@@ -165,7 +165,8 @@ def test_unknown_job_and_trial_are_404_naming_them(bso_server: Served) -> None:
         assert r.status_code == 404 and "'missing'" in r.json()["detail"] and job in r.json()["detail"]
         r = report(c, other, trial, 1)  # a trial of another job
         assert r.status_code == 404 and trial in r.json()["detail"]
-        assert c.post(f"/jobs/nope/trials/{trial}/end").status_code == 404
+        for r in (report(c, "nope", trial, 1), c.post(f"/jobs/nope/trials/{trial}/end")):
+            assert r.status_code == 404 and r.json() == {"detail": "job 'nope' not found"}
         assert c.get(f"/jobs/{job}/trials/zzz").status_code == 404
 
 

@@ -29,10 +29,23 @@ def test_no_delay_is_set_on_a_socket_rebuilt_with_protocol_zero() -> None:
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
+class _RecordingSocket:
+    def __init__(self, family: socket.AddressFamily) -> None:
+        self.family = family
+        self.options: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, name: int, value: int) -> None:
+        self.options.append((level, name, value))
+
+
 def test_no_delay_leaves_other_sockets_alone() -> None:
     protocol._no_delay(_Transport(None))  # type: ignore[arg-type]  # no socket: nothing to do
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        protocol._no_delay(_Transport(sock))  # type: ignore[arg-type]  # not TCP: untouched, no error
+    unix = _RecordingSocket(socket.AF_UNIX)
+    protocol._no_delay(_Transport(unix))  # type: ignore[arg-type]
+    assert unix.options == []  # not TCP: untouched
+    tcp6 = _RecordingSocket(socket.AF_INET6)
+    protocol._no_delay(_Transport(tcp6))  # type: ignore[arg-type]
+    assert tcp6.options == [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 def test_the_fast_parser_is_used_when_installed() -> None:

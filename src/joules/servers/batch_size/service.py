@@ -175,7 +175,6 @@ _LOCK_TRIAL = (
     .where(Job.id == bindparam("job_id"), Trial.id == bindparam("trial_id"))
     .with_for_update(of=Trial.__table__)
 )
-_JOB_EXISTS = select(Job.id).where(Job.id == bindparam("job_id"))
 _JOB_SPEC = select(Job.spec).where(Job.id == bindparam("job_id"))
 _EPOCH_ROW = (
     select(EpochReportRow.time_s, EpochReportRow.energy_j, EpochReportRow.metric, EpochReportRow.stop,
@@ -288,10 +287,14 @@ class BatchSizeService:
             .options(defer(Job.policy_state)).with_for_update(of=Trial)
         ).first()
         if row is None:
-            if session.get(Job, job_id) is None:
-                raise NotFoundError(f"job {job_id!r} not found")
-            raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
+            raise BatchSizeService._missing_trial(session, job_id, trial_id)
         return row[0], row[1]
+
+    @staticmethod
+    def _missing_trial(session: Session, job_id: str, trial_id: str) -> NotFoundError:
+        """The error for a trial not found in job ``job_id`` (raises the job's own if the job is missing)."""
+        BatchSizeService._get_job(session, job_id)
+        return NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
 
     @staticmethod
     def _trial(session: Session, job_id: str, trial_id: str) -> Trial:
@@ -501,9 +504,7 @@ class BatchSizeService:
             ids = {"job_id": job_id, "trial_id": trial_id}
             trial = conn.execute(_LOCK_TRIAL, ids).first()
             if trial is None:
-                if conn.execute(_JOB_EXISTS, ids).first() is None:
-                    raise NotFoundError(f"job {job_id!r} not found")
-                raise NotFoundError(f"trial {trial_id!r} of job {job_id!r} not found")
+                raise self._missing_trial(s, job_id, trial_id)
             if report.epoch <= trial.epochs:  # epochs 1..trial.epochs have their rows: a repeat
                 row = conn.execute(_EPOCH_ROW, {"trial_id": trial_id, "epoch": report.epoch}).one()
                 if (row.time_s, row.energy_j, row.metric) != (report.time_s, report.energy_j, report.metric):
