@@ -78,6 +78,12 @@ def test_tracker_remembers_recent_updates_for_interpolation() -> None:
         assert est[1] == v + 1
         assert est[0] == pytest.approx(0.03 + (v + 1) * 0.1, abs=0.003)
     assert tr.update_after(29.0) is None
+    # The updates within a span, oldest first, with their times narrowed by the learned phase.
+    span = tr.updates(2.0, 2.5)
+    assert [v for _, _, v in span] == [20.0, 21.0, 22.0, 23.0, 24.0]
+    for t, half, v in span:
+        assert t == pytest.approx(0.03 + v * 0.1, abs=0.003) and half <= 0.003
+    assert tr.updates(5.0, 6.0) == []
     feed(tr, 0.03, 3.029, 3.029 + 0.1 * (CounterTracker.history + 5))
     assert tr.update_after(20.0) is None  # forgotten: only the last updates are kept
 

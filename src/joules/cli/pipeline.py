@@ -46,8 +46,9 @@ def _pct(value: float, reference: float) -> str:
 
 @pipeline_app.command("plan")
 def plan(
-    profile: Path = typer.Option(..., "--profile", metavar="FILE",
-                                 help="Profile CSV: stage,instruction,frequency,time,energy."),
+    profile: list[Path] = typer.Option(..., "--profile", metavar="FILE",
+                                       help="Profile CSV: stage,instruction,frequency,time,energy. Repeat "
+                                            "it to join per-rank files (each with its own stages)."),
     stages: int = typer.Option(..., "--stages", min=1, help="Pipeline stages (one GPU each)."),
     microbatches: int = typer.Option(..., "--microbatches", min=1, help="Microbatches per iteration."),
     schedule: str = typer.Option("1f1b", "--schedule", help="1f1b or gpipe."),
@@ -72,10 +73,11 @@ def plan(
         raise JoulesError(f"bad --unit-time {unit_time:g} (expected a positive number of seconds)")
     if not p2p_power >= 0:
         raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected watts, at least 0)")
-    prof = PipelineProfile.from_csv(profile)
+    parts = [PipelineProfile.from_csv(p) for p in profile]
+    prof = parts[0] if len(parts) == 1 else PipelineProfile.merge(parts)
     prof.check_covers(stages)
     if prof.stages > stages:
-        print(f"joules: warning: {profile} has {prof.stages} stages; planning for the first {stages}",
+        print(f"joules: warning: {prof.name} has {prof.stages} stages; planning for the first {stages}",
               file=sys.stderr)
     dag = build_dag(name, stages, microbatches)
     from joules.optimizers.pipeline.solver import METHODS, solve
@@ -86,7 +88,7 @@ def plan(
     frontier.meta.setdefault("profile_file", PROFILE_COPY)
     frontier.save(out)
     copy = out / PROFILE_COPY
-    if not (copy.exists() and copy.resolve() == profile.resolve()):
+    if not (len(profile) == 1 and copy.exists() and copy.resolve() == profile[0].resolve()):
         prof.to_csv(copy)
     save_picture(out / PICTURE, dag, prof, frontier.fastest)
 

@@ -226,6 +226,20 @@ class CounterTracker:
             new, lo, hi = self._changes[i]
             return self._estimate(lo, hi)[0], new
 
+    def updates(self, start: float, end: float) -> list[tuple[float, float, float]]:
+        """Remembered updates estimated within ``[start, end]``, oldest first.
+
+        Returns:
+            ``(update time estimate, half width, new value)`` of each.
+        """
+        with self._lock:
+            out = []
+            for value, lo, hi in self._changes:
+                t, half = self._estimate(lo, hi)
+                if start <= t <= end:
+                    out.append((t, half, value))
+            return out
+
 
 @dataclass
 class _GPUTrack:

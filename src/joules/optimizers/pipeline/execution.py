@@ -49,6 +49,7 @@ from joules.optimizers.pipeline.controller import (
 )
 from joules.optimizers.pipeline.frontier import Plan, PlanError, stage_instructions
 from joules.optimizers.pipeline.profile import PipelineProfile
+from joules.optimizers.pipeline.profiler import default_frequencies
 from joules.optimizers.pipeline.schedule import KINDS, PipelineDAG
 
 Meter = Literal["true", "counter"]
@@ -150,19 +151,6 @@ def _sim_guard(sim: Simulator, gpus: Sequence[SimGPU]) -> Iterator[RestoreGuard]
             shutil.rmtree(journal_tmp, ignore_errors=True)
 
 
-def default_frequencies(gpu: SimGPU, lowest_mhz: float | None = None, step: int = 1) -> list[float]:
-    """Supported clocks of ``gpu`` from ``lowest_mhz`` (default: 60% of the highest) up, ascending.
-
-    Args:
-        gpu: The GPU.
-        lowest_mhz: Lowest clock to include.
-        step: Take every ``step``-th clock counted from the highest.
-    """
-    clocks = sorted(gpu.supported_sm_clocks_mhz(), reverse=True)
-    lo = 0.6 * clocks[0] if lowest_mhz is None else lowest_mhz
-    return sorted(f for f in clocks[:: max(1, step)] if f >= lo)
-
-
 def profile_simulated(
     sim: Simulator | str,
     work: Sequence[StageWork],
@@ -183,7 +171,7 @@ def profile_simulated(
         sim: The simulator (on a virtual clock), or a SPEC to make one.
         work: One :class:`StageWork` per stage.
         frequencies: Clocks to profile, MHz (each snapped to a supported one); default
-            :func:`default_frequencies`.
+            :func:`~joules.optimizers.pipeline.profiler.default_frequencies`.
         lowest_mhz: Lowest default clock (see :func:`default_frequencies`).
         step: Spacing of the default clocks (see :func:`default_frequencies`).
         meter: ``"true"`` (exact energy) or ``"counter"`` (the GPU's energy counter; its
@@ -464,6 +452,6 @@ def _iteration(
 
 
 __all__ = [
-    "ExecutionResult", "StageWork", "default_frequencies", "execute",
+    "ExecutionResult", "StageWork", "execute",
     "measure_blocking_power_w", "profile_simulated", "stage_instructions", "stage_work",
 ]

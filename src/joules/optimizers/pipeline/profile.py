@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,27 @@ class PipelineProfile:
             option = Option(int(frequency), float(t / n), float(e / n))  # plain numbers, even from numpy
             grouped.setdefault((stage, instruction), []).append(option)
         return cls({k: tuple(sorted(v)) for k, v in sorted(grouped.items())}, name=name)
+
+    @classmethod
+    def merge(cls, profiles: Sequence[PipelineProfile], name: str | None = None) -> PipelineProfile:
+        """One profile from several, e.g. the one each rank measured of its own stage.
+
+        Raises:
+            PipelineProfileError: No profile, or two of them have rows for one stage and
+                instruction (the message names both).
+        """
+        if not profiles:
+            raise PipelineProfileError("no profiles to merge")
+        options: dict[tuple[int, str], tuple[Option, ...]] = {}
+        owner: dict[tuple[int, str], str] = {}
+        for prof in profiles:
+            for key, opts in prof.options.items():
+                if key in options:
+                    raise PipelineProfileError(f"profiles {owner[key]!r} and {prof.name!r} both have "
+                                               f"{key[1]} rows for stage {key[0]}")
+                options[key] = opts
+                owner[key] = prof.name
+        return cls(dict(sorted(options.items())), name=name or "+".join(p.name for p in profiles))
 
     @classmethod
     def from_csv(cls, path: str | Path) -> PipelineProfile:
