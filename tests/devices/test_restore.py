@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from joules.devices.restore import (
 )
 from joules.devices.sim import SimGPU, Simulator
 from joules.errors import DevicePermissionError
+from joules.testing.processes import start_ready
 
 JOULES = str(Path(sys.executable).parent / "joules")
 
@@ -468,19 +468,7 @@ def recorded(state: Path) -> tuple[float, float, list[float] | None]:
 
 
 def start_child(mode: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD, mode], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    ready, _, _ = select.select([p.stdout], [], [], 30)
-    if not ready:
-        p.kill()
-        pytest.fail(f"child did not start: {p.communicate(timeout=10)}")
-    line = p.stdout.readline()
-    if line != "ready\n":
-        p.kill()
-        out, err = p.communicate(timeout=10)
-        pytest.fail(f"child failed: {line}{out}{err}")
-    return p
+    return start_ready([sys.executable, "-c", CHILD, mode], env, "ready", timeout_s=30)
 
 
 @pytest.mark.parametrize("mode", ["exit", "raise"])

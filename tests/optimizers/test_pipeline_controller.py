@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from joules.optimizers.pipeline.controller import (
 from joules.optimizers.pipeline.frontier import Frontier, PlanError, evaluate
 from joules.optimizers.pipeline.profile import synthetic_profile
 from joules.optimizers.pipeline.schedule import build_dag
+from joules.testing.processes import start_ready
 
 JOULES = str(Path(sys.executable).parent / "joules")
 
@@ -272,15 +272,7 @@ def job(tmp_path: Path):
     env.pop("JOULES_SIM", None)
 
     def start() -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-c", CHILD, str(state), json.dumps(PLAN)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert p.stdout is not None
-        ready, _, _ = select.select([p.stdout], [], [], 60)
-        line = p.stdout.readline() if ready else ""
-        if line != "locked 1200.0\n":
-            p.kill()
-            out, err = p.communicate(timeout=10)
-            pytest.fail(f"child failed: {line}{out}{err}")
+        p = start_ready([sys.executable, "-c", CHILD, str(state), json.dumps(PLAN)], env, "locked 1200.0")
         assert _lock(state) == (1200.0, 1200.0)
         return p
 

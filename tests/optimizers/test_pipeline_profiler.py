@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +19,7 @@ from joules.optimizers.pipeline.execution import StageWork, measure_blocking_pow
 from joules.optimizers.pipeline.profile import PipelineProfile, PipelineProfileError
 from joules.optimizers.pipeline.profiler import ProfilingError, StageProfiler, default_frequencies
 from joules.optimizers.pipeline.schedule import build_dag
+from joules.testing.processes import start_ready
 
 WORK = [StageWork(0.030, 0.060), StageWork(0.034, 0.068)]
 GAP_S = 0.004  # each computation is followed by this long blocked on communication
@@ -253,15 +252,7 @@ def test_sigterm_mid_profile_resets_the_clock(tmp_path: Path) -> None:
     state = tmp_path / "sim-state.json"
     env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
     env.pop("JOULES_SIM", None)
-    p = subprocess.Popen([sys.executable, "-c", CHILD, str(state)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    ready, _, _ = select.select([p.stdout], [], [], 60)
-    line = p.stdout.readline() if ready else ""
-    if line != "locked (1200.0, 1200.0)\n":
-        p.kill()
-        out, err = p.communicate(timeout=10)
-        pytest.fail(f"child failed: {line}{out}{err}")
+    p = start_ready([sys.executable, "-c", CHILD, str(state)], env, "locked (1200.0, 1200.0)")
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=30)
     assert p.returncode == -signal.SIGTERM, err

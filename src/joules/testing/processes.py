@@ -1,13 +1,39 @@
-"""Run real processes in tests: ranks of a ``torch.distributed`` job forked from one parent."""
+"""Run real processes in tests.
+
+Ranks of a ``torch.distributed`` job forked from one parent, and children that say when
+they are ready.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import select
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+
+def start_ready(args: Sequence[str], env: Mapping[str, str], ready: str, timeout_s: float = 60.0
+                ) -> subprocess.Popen[str]:
+    """Start ``args`` and wait until its first line of output is ``ready``.
+
+    Raises:
+        AssertionError: It printed something else or nothing in time (it is killed, and its
+            output is in the message).
+    """
+    p = subprocess.Popen(list(args), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout is not None
+    got, _, _ = select.select([p.stdout], [], [], timeout_s)
+    line = p.stdout.readline() if got else ""
+    if line != ready + "\n":
+        p.kill()
+        out, err = p.communicate(timeout=10)
+        raise AssertionError(f"child failed: {line}{out}{err}")
+    return p
 
 
 def free_port() -> int:

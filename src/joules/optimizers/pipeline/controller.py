@@ -69,6 +69,33 @@ def normalize_kind(computation: str) -> Kind:
     return kind
 
 
+def clock_guard(gpu: GPU, guard: RestoreGuard | None, dry_run: bool, journal_dir: str | Path | None,
+                handle_signals: bool, recover_stale: bool) -> RestoreGuard | None:
+    """The guard clock locks go through: ``guard``, else a new one over ``gpu``; none in a dry run."""
+    if dry_run:
+        return None
+    if guard is None:
+        guard = RestoreGuard([gpu], journal_dir=journal_dir, handle_signals=handle_signals,
+                             recover_stale=recover_stale)
+    return guard
+
+
+def lock_clock(guard: RestoreGuard, gpu: GPU, mhz: float, dry_run_does: str) -> None:
+    """Lock ``gpu``'s SM clock to ``mhz`` through ``guard``.
+
+    Raises:
+        DevicePermissionError: No permission; the message adds what ``dry_run=True`` would
+            do instead (``dry_run_does``). The clock is unchanged.
+    """
+    try:
+        guard.lock_sm_clock(gpu, mhz, mhz)
+    except DevicePermissionError as e:
+        # The device layer's message names the GPU and how to get the permission.
+        raise DevicePermissionError(
+            f"{e} (or pass dry_run=True to {dry_run_does}); the clock was not changed"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Instruction:
     """One computation of a stage and the SM frequency to run it at.
@@ -246,10 +273,7 @@ class FrequencyController:
         self._running: tuple[Kind, int] | None = None
         self._locked_mhz: float | None = None
         self._load(instructions)
-        if guard is None and not dry_run:
-            guard = RestoreGuard([gpu], journal_dir=journal_dir, handle_signals=handle_signals,
-                                 recover_stale=recover_stale)
-        self.guard: RestoreGuard | None = None if dry_run else guard
+        self.guard = clock_guard(gpu, guard, dry_run, journal_dir, handle_signals, recover_stale)
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -487,13 +511,7 @@ class FrequencyController:
             self._record(LockRecord(kind, microbatch, mhz, applied=False))
         else:
             assert self.guard is not None
-            try:
-                self.guard.lock_sm_clock(self.gpu, mhz, mhz)
-            except DevicePermissionError as e:
-                # The device layer's message names the GPU and how to get the permission.
-                raise DevicePermissionError(
-                    f"{e} (or pass dry_run=True to only check the plan); the clock was not changed"
-                ) from None
+            lock_clock(self.guard, self.gpu, mhz, "only check the plan")
             self._record(LockRecord(kind, microbatch, mhz, applied=True))
         if not self.asynchronous:
             self._locked_mhz = mhz  # (asynchronous: set when posted, a newer one may be waiting)
@@ -543,5 +561,5 @@ class FrequencyController:
 
 __all__ = [
     "ControllerStats", "FrequencyController", "Instruction", "LockRecord", "PlanMismatchError",
-    "normalize_kind", "parse_instructions", "snap_frequency",
+    "clock_guard", "lock_clock", "normalize_kind", "parse_instructions", "snap_frequency",
 ]

@@ -42,8 +42,8 @@ import numpy as np
 
 from joules.devices.base import GPU
 from joules.devices.restore import RestoreGuard
-from joules.errors import DevicePermissionError, JoulesError
-from joules.optimizers.pipeline.controller import normalize_kind, snap_frequency
+from joules.errors import JoulesError
+from joules.optimizers.pipeline.controller import clock_guard, lock_clock, normalize_kind, snap_frequency
 from joules.optimizers.pipeline.profile import PipelineProfile
 from joules.optimizers.pipeline.schedule import KINDS, Kind
 
@@ -176,10 +176,7 @@ class StageProfiler:
         period = self.gpu.energy_counter_period_s() if self.gpu.has_energy_counter() else None
         self.min_span_s = float(min_span_s) if min_span_s is not None else 20.0 * (period or 0.0)
         self.dry_run = dry_run
-        if guard is None and not dry_run:
-            guard = RestoreGuard([self.gpu], journal_dir=journal_dir, handle_signals=handle_signals,
-                                 recover_stale=recover_stale)
-        self.guard: RestoreGuard | None = None if dry_run else guard
+        self.guard = clock_guard(self.gpu, guard, dry_run, journal_dir, handle_signals, recover_stale)
         self.would_lock: list[float] = []
         """Dry run: the clocks that would have been locked, in order."""
         self._samples: list[Sample] = []
@@ -340,12 +337,7 @@ class StageProfiler:
             self.would_lock.append(mhz)
         else:
             assert self.guard is not None
-            try:
-                self.guard.lock_sm_clock(self.gpu, mhz, mhz)
-            except DevicePermissionError as e:
-                raise DevicePermissionError(
-                    f"{e} (or pass dry_run=True to only check the measurements); the clock was not changed"
-                ) from None
+            lock_clock(self.guard, self.gpu, mhz, "only check the measurements")
         self._locked = mhz
 
     # -- results ------------------------------------------------------------------------------
