@@ -50,8 +50,8 @@ def profile_stages(spec: str, stages: int, microbatches: int, step: int):
     dag = build_dag("1f1b", stages, microbatches)
     mon = EnergyMonitor(devices=sim.devices(), cpu_indices=[])
     sim.advance(2.0)
-    guard = RestoreGuard(sim.gpus, journal_dir=tempfile.mkdtemp(prefix="joules-bench-"), handle_signals=False,
-                         recover_stale=False)
+    journal = tempfile.TemporaryDirectory(prefix="joules-bench-")
+    guard = RestoreGuard(sim.gpus, journal_dir=journal.name, handle_signals=False, recover_stale=False)
     profs = []
     t0 = sim.clock.now()
     for s in range(stages):
@@ -68,6 +68,7 @@ def profile_stages(spec: str, stages: int, microbatches: int, step: int):
                 sim.advance(GAP_S)
         profs.append(prof)
     mon.close()
+    journal.cleanup()
     truth = profile_simulated(Simulator(f"{spec}x{stages}"), work, frequencies=profs[0].frequencies)
     return profs, truth, measure_blocking_power_w(Simulator(spec), 1), sim.clock.now() - t0, dag
 

@@ -13,16 +13,19 @@ plan (``on_instruction_begin`` / ``on_instruction_end``) and, on each rank:
    ``joules restore``), from the highest down;
 2. measures every forward and backward at that clock as a window of the
    :class:`~joules.monitoring.monitor.EnergyMonitor` (so a monitor made with
-   ``sync="torch"`` waits for the GPU at each edge), leaving out the first ``warmup`` of each
-   kind after a clock change, until it has ``samples`` of each kind;
-3. moves on to the next clock; after the last one it resets the clock and goes quiet (the
+   ``sync="torch"`` waits for the GPU at each edge), and the gaps between them, leaving out
+   the first ``warmup`` of each kind after a clock change, until it has ``samples`` of each
+   kind and has stayed ``min_span_s``;
+3. splits the energy the GPU's counter saw between consecutive updates at that clock among
+   forwards, backwards and gaps (one power each, least squares), which is free of the edge
+   errors of windows shorter than the counter's period;
+4. moves on to the next clock; after the last one it resets the clock and goes quiet (the
    callbacks then cost next to nothing), and :meth:`StageProfiler.profile` is the stage's
    profile.
 
-The time between a computation's end and the next one's begin is measured too: on a pipeline
-rank that is mostly waiting for a neighbour, so its average power estimates the *blocking
-power* (:attr:`StageProfiler.blocking_power_w`). It also holds whatever else runs there
-(optimizer step, data loading), so it errs high where those are long.
+The gaps between computations are, on a pipeline rank, mostly waits for a neighbour, so their
+power estimates the *blocking power* (:attr:`StageProfiler.blocking_power_w`). They also hold
+whatever else runs there (optimizer step, data loading), so it errs high where those are long.
 
 Each rank writes its own rows (:meth:`StageProfiler.to_csv`); ``joules pipeline plan
 --profile rank0.csv --profile rank1.csv ...`` (or :meth:`PipelineProfile.merge
@@ -88,7 +91,8 @@ class Sample:
         microbatch: Its microbatch.
         frequency: The SM clock it ran at, MHz.
         time_s: Its time, s.
-        energy_j: The GPU's energy during it, J.
+        energy_j: The GPU's energy during it as its own window measured it, J (the profile's
+            energies are attributed where they can be, see :meth:`StageProfiler.rows`).
     """
 
     computation: Kind
@@ -183,6 +187,8 @@ class StageProfiler:
         self._segments: list[tuple[float, float, int]] = []  # (start, end, kind) at the current clock
         self._powers: dict[int, np.ndarray] = {}  # clock -> attributed (forward, backward, gap) power, W
         self._index = 0
+        self._complete: list[int] = []  # clocks measured in full, MHz
+        self._closed = False
         self._seen = dict.fromkeys(KINDS, 0)  # computations of each kind at the current clock
         self._locked: float | None = None
         self._running: tuple[Kind, int] | None = None
@@ -205,8 +211,8 @@ class StageProfiler:
     # -- state --------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        """Whether every clock has been profiled (the clock is then reset)."""
-        return self._index >= len(self.frequencies)
+        """Whether every clock has been profiled, or profiling was closed (the clock is then reset)."""
+        return self._closed or self._index >= len(self.frequencies)
 
     @property
     def current_mhz(self) -> float | None:
@@ -215,8 +221,8 @@ class StageProfiler:
 
     @property
     def progress(self) -> tuple[int, int]:
-        """``(clocks done, clocks to profile)``."""
-        return min(self._index, len(self.frequencies)), len(self.frequencies)
+        """``(clocks measured in full, clocks to profile)``."""
+        return len(self._complete), len(self.frequencies)
 
     @property
     def blocking_power_w(self) -> float | None:
@@ -288,7 +294,9 @@ class StageProfiler:
                                         m.gpu_energy_j.get(self.gpu.index, 0.0)))
         span = self._segments[-1][1] - self._segments[0][0]
         if all(n >= self.warmup + self.samples for n in self._seen.values()) and span >= self.min_span_s:
-            self._attribute(int(round(self.frequencies[self._index])))
+            mhz = int(round(self.frequencies[self._index]))
+            self._attribute(mhz)
+            self._complete.append(mhz)
             self._index += 1
             self._seen = dict.fromkeys(KINDS, 0)
             if self.done:
@@ -347,7 +355,7 @@ class StageProfiler:
         Only clocks measured in full are included. The energy is the attributed power times the
         mean time where the clock was attributed (:attr:`attributed`), else the windows' mean.
         """
-        complete = {int(round(f)) for f in self.frequencies[: self._index]}
+        complete = set(self._complete)
         sums: dict[tuple[str, int], list[float]] = {}
         for s in self._samples:
             if s.frequency in complete:
@@ -399,8 +407,11 @@ class StageProfiler:
         return [] if self.guard is None else self.guard.restore()
 
     def close(self) -> list[str]:
-        """Stop profiling for good (the callbacks then do nothing) and reset the clock."""
-        self._index = len(self.frequencies)
+        """Stop profiling for good (the callbacks then do nothing) and reset the clock.
+
+        The clocks measured in full so far stay in :meth:`profile`.
+        """
+        self._closed = True
         return self.restore()
 
     def __enter__(self) -> StageProfiler:
@@ -408,13 +419,6 @@ class StageProfiler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def summary(self) -> dict[str, object]:
-        """Progress and the blocking-power estimate, JSON-friendly."""
-        done, total = self.progress
-        return {"stage": self.stage, "gpu": self.gpu.index, "dry_run": self.dry_run,
-                "clocks_done": done, "clocks": total, "samples": len(self._samples),
-                "attributed": len(self._powers), "blocking_power_w": self.blocking_power_w}
 
 
 __all__ = ["ProfilingError", "Sample", "StageProfiler", "default_frequencies"]
