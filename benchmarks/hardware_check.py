@@ -1,4 +1,4 @@
-"""Check joules' measurement paths on the GPUs of this machine. Read only: changes no setting.
+"""Check joules' measurement paths on the GPUs of this machine. Read only unless asked.
 
 For every visible NVIDIA GPU it reports
 
@@ -11,7 +11,15 @@ For every visible NVIDIA GPU it reports
 * how the counter and the sampled power agree over 1 s windows (with a CUDA load from
   PyTorch when it is installed and sees the GPU, otherwise idle).
 
-Run on a GPU machine: ``python benchmarks/hardware_check.py [--json out.json]``.
+With ``--clock-latency`` (the one check that changes a setting, so it must be asked for) it
+also locks each GPU's SM clock in turn to its highest clock and to about 60 % of it, under the
+same load, and reports what the pipeline frequency controller pays per computation: the
+cost of the lock call, how long until the SM clock reads the new value, and the cost of the
+reset. Locks go through :class:`~joules.devices.restore.RestoreGuard`, so the clock is reset
+at the end, on an exception and on SIGTERM or Ctrl-C. It needs root (or the permission to
+set clocks), and is not for a GPU whose clocks others rely on.
+
+Run on a GPU machine: ``python benchmarks/hardware_check.py [--clock-latency] [--json out.json]``.
 ``--sim A100`` runs the same code on simulated GPUs behind a fake NVML (for trying it out).
 """
 
@@ -88,7 +96,57 @@ def cuda_load(gpu_index: int, seconds_on: float = 0.3, seconds_off: float = 0.2)
         thread.join()
 
 
-def check_gpu(gpu: GPU, clock: RealClock, quick: bool, simulated: bool = False) -> dict[str, Any]:
+def clock_latency(gpu: GPU, rounds: int, settle_timeout_s: float = 1.0) -> dict[str, Any]:
+    """Lock the SM clock alternately high and low ``rounds`` times; reset it at the end.
+
+    Returns:
+        The clocks used, median lock and reset call costs (µs), and the median and largest time
+        from a lock call until the SM clock reads within one clock step of it (ms; ``None``
+        for a lock whose clock never read so within ``settle_timeout_s``).
+    """
+    from joules.devices.restore import RestoreGuard
+
+    clocks = sorted(gpu.supported_sm_clocks_mhz())
+    high = clocks[-1]
+    low = min(clocks, key=lambda f: abs(f - 0.6 * high))
+    step = min((b - a for a, b in zip(clocks, clocks[1:], strict=False) if b > a), default=1.0)
+    lock_us: list[float] = []
+    settle_ms: list[float | None] = []
+    reset_us: list[float] = []
+    guard = RestoreGuard([gpu])
+    try:
+        for i in range(rounds):
+            target = low if i % 2 else high
+            t0 = time.perf_counter()
+            guard.lock_sm_clock(gpu, target, target)
+            t1 = time.perf_counter()
+            lock_us.append((t1 - t0) * 1e6)
+            settled = None
+            while time.perf_counter() - t1 < settle_timeout_s:
+                if abs(gpu.sm_clock_mhz() - target) <= step:
+                    settled = (time.perf_counter() - t0) * 1e3
+                    break
+            settle_ms.append(settled)
+        for _ in range(min(rounds, 10)):
+            t0 = time.perf_counter()
+            gpu.reset_sm_clock()
+            reset_us.append((time.perf_counter() - t0) * 1e6)
+            guard.lock_sm_clock(gpu, high, high)
+    finally:
+        guard.restore()
+    seen = [x for x in settle_ms if x is not None]
+    return {
+        "high_mhz": high, "low_mhz": low, "rounds": rounds,
+        "lock_call_us": statistics.median(lock_us),
+        "reset_call_us": statistics.median(reset_us) if reset_us else None,
+        "settle_ms_median": statistics.median(seen) if seen else None,
+        "settle_ms_max": max(seen) if seen else None,
+        "never_settled": len(settle_ms) - len(seen),
+    }
+
+
+def check_gpu(gpu: GPU, clock: RealClock, quick: bool, simulated: bool = False,
+              clocks: bool = False) -> dict[str, Any]:
     """All checks for one GPU."""
     n = 200 if quick else 2000
     poll_s = 1.0 if quick else 3.0
@@ -123,6 +181,8 @@ def check_gpu(gpu: GPU, clock: RealClock, quick: bool, simulated: bool = False) 
                 m = monitor.end_window("agree")
                 sampled = monitor.sampler.energy_integral(gpu.index, clock.now()) - s0
                 rows.append((m.gpu[gpu.index].energy_j, sampled, m.gpu[gpu.index].source.value))
+            if clocks:
+                out["clock_latency"] = clock_latency(gpu, 10 if quick else 40)
         out["windows_1s"] = [
             {"monitor_j": a, "sampled_power_j": b, "source": src,
              "difference_pct": 100 * (b - a) / a if a else None}
@@ -139,6 +199,9 @@ def main() -> int:
     ap.add_argument("--sim", metavar="SPEC", help="simulated GPUs behind a fake NVML instead")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    ap.add_argument("--clock-latency", action="store_true",
+                    help="also lock and reset each GPU's SM clock to time it (changes a setting; "
+                         "it is reset at the end)")
     args = ap.parse_args()
 
     from joules.devices.nvidia import discover_nvml
@@ -158,7 +221,8 @@ def main() -> int:
             print("no NVIDIA GPU found", file=sys.stderr)
             return 1
         clock = RealClock()
-        results = [check_gpu(g, clock, args.quick, simulated=bool(args.sim)) for g in gpus]
+        results = [check_gpu(g, clock, args.quick, simulated=bool(args.sim), clocks=args.clock_latency)
+                   for g in gpus]
     for r in results:
         print(f"GPU {r['index']} {r['name']}: counter={r['counter']}")
         for key in ("energy_call_us", "power_call_us", "average_power_call_us", "window_us"):
@@ -175,6 +239,14 @@ def main() -> int:
             diff = "-" if w["difference_pct"] is None else f"{w['difference_pct']:+.2f} %"
             print(f"    monitor {w['monitor_j']:9.2f} J ({w['source']})  sampled power "
                   f"{w['sampled_power_j']:9.2f} J  {diff}")
+        if "clock_latency" in r:
+            c = r["clock_latency"]
+            settle = ("never" if c["settle_ms_median"] is None
+                      else f"{c['settle_ms_median']:.2f} ms median, {c['settle_ms_max']:.2f} ms max")
+            print(f"  SM clock {c['high_mhz']:.0f} <-> {c['low_mhz']:.0f} MHz x {c['rounds']}: lock call "
+                  f"{c['lock_call_us']:.0f} us, reads the new clock after {settle} "
+                  f"({c['never_settled']} never), reset call "
+                  + ("-" if c["reset_call_us"] is None else f"{c['reset_call_us']:.0f} us"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,0 +1,63 @@
+"""benchmarks/hardware_check.py: the opt-in clock-latency check resets what it locks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from joules.devices.nvidia import discover_nvml
+from joules.devices.sim import Constant, Simulator
+from joules.testing import fake_pynvml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("hardware_check", ROOT / "benchmarks" / "hardware_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture
+def a100():
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(1.0))
+    with fake_pynvml.installed(sim):
+        gpus, _ = discover_nvml({})
+        yield sim, gpus[0]
+
+
+def test_clock_latency_alternates_and_resets(check, a100) -> None:
+    sim, gpu = a100
+    locks: list[tuple[float, float]] = []
+    real_lock = gpu.lock_sm_clock
+    gpu.lock_sm_clock = lambda lo, hi: (locks.append((lo, hi)), real_lock(lo, hi))[1]
+    out = check.clock_latency(gpu, rounds=6)
+    assert (out["high_mhz"], out["low_mhz"]) == (1410.0, 840.0)  # 840 is the clock nearest 60 % of 1410
+    assert locks[:6] == [(1410.0, 1410.0), (840.0, 840.0)] * 3
+    assert out["never_settled"] == 0 and out["settle_ms_max"] is not None
+    assert out["lock_call_us"] > 0 and out["reset_call_us"] > 0
+    assert sim.gpus[0].sm_clock_locked() is None  # reset at the end
+
+
+def test_clock_latency_resets_after_an_error(check, a100) -> None:
+    sim, gpu = a100
+
+    def broken() -> float:
+        assert sim.gpus[0].sm_clock_locked() == (1410.0, 1410.0)
+        raise RuntimeError("NVML went away")
+
+    gpu.sm_clock_mhz = broken
+    with pytest.raises(RuntimeError, match="NVML went away"):
+        check.clock_latency(gpu, rounds=4)
+    assert sim.gpus[0].sm_clock_locked() is None
