@@ -784,3 +784,168 @@ def test_short_windows_reuse_the_samplers_power_reading_when_current() -> None:
     # A power read is needed only when the sensor may have refreshed since the sampler read it.
     assert 0 < mon.reads["power"] < 0.6 * n
     assert mon.reads["counter_skipped"] > mon.reads["counter"]
+
+
+# -- devices and failures the common paths do not cover ----------------------------------------
+def test_counter_of_unknown_update_period_is_measured() -> None:
+    """GPUs not yet characterized (e.g. Ada) have a counter but no known period: still measured."""
+    from joules.devices.nvidia import discover_nvml
+    from joules.testing import fake_pynvml
+
+    clock = VirtualClock()
+    model = A100.with_overrides(arch="ada", name="NVIDIA L40S")
+    sim = SimGPU(model, clock, index=0, workload=Periodic([(0.3, 0.9), (0.2, 0.2)]))
+    with fake_pynvml.installed([sim]):
+        gpus, _ = discover_nvml({})
+        assert gpus[0].has_energy_counter() and gpus[0].energy_counter_period_s() is None
+        mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=clock))
+        clock.advance(2.0)
+        rng = random.Random(3)
+        for _ in range(30):
+            clock.advance(rng.uniform(0.0, 0.3))
+            e0 = sim.true_energy_j()
+            mon.begin_window("w")
+            clock.advance(rng.uniform(0.2, 2.0))
+            m = mon.end_window("w")
+            true = sim.true_energy_j() - e0
+            assert m.gpu[0].source == Source.COUNTER
+            assert abs(m.gpu[0].energy_j - true) <= m.gpu[0].uncertainty_j
+        assert mon.reads["counter_skipped"] == 0  # no phase is learned, so no read is skipped
+        mon.close()
+
+
+def test_amd_counter_without_a_known_period_is_measured() -> None:
+    from joules.devices.amd import discover_amd
+    from joules.testing.fake_amdsmi import MI300X, installed
+
+    clock = VirtualClock()
+    sim = SimGPU(MI300X, clock, index=0, workload=Constant(0.5))
+    with installed([sim]):
+        gpus, _ = discover_amd({}, clock=clock)
+        mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=clock))
+        clock.advance(1.0)
+        e0 = sim.true_energy_j()
+        mon.begin_window("w")
+        clock.advance(2.0)
+        m = mon.end_window("w")
+        assert m.gpu[0].source == Source.COUNTER
+        assert m.gpu[0].energy_j == pytest.approx(sim.true_energy_j() - e0, abs=m.gpu[0].uncertainty_j)
+        mon.close()
+
+
+def test_counter_reset_inside_a_window_falls_back_to_power_samples() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+    g = sim.gpus[0]
+    e0 = g.true_energy_j()
+    mon.begin_window("w")
+    sim.advance(2.0)
+    g._offset_j -= g.energy_j()  # the driver reloads: the counter starts again near 0
+    sim.advance(3.0)
+    m = mon.end_window("w")
+    true = g.true_energy_j() - e0
+    assert m.gpu[0].source == Source.SAMPLED
+    assert true > 1000 and abs(m.gpu[0].energy_j - true) <= m.gpu[0].uncertainty_j
+    # The next window is measured from the counter again.
+    m2, truth = measure_span(sim, mon, "after", 1.0)
+    assert m2.gpu[0].source == Source.COUNTER
+    assert m2.gpu[0].energy_j == pytest.approx(truth["gpu"][0], rel=1e-3)
+
+
+def test_mig_instances_of_one_gpu_are_counted_once() -> None:
+    from joules.devices.nvidia import discover_nvml
+    from joules.testing import fake_pynvml
+
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(0.5))
+    with fake_pynvml.installed(sim, mig={0: 2}) as nv:
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        migs = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, k)) for k in range(2)]
+        gpus, _ = discover_nvml({"CUDA_VISIBLE_DEVICES": ",".join(migs)})
+        assert len(gpus) == 2
+        mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=sim.clock))
+        sim.advance(2.0)
+        e0 = sim.gpus[0].true_energy_j()
+        mon.begin_window("w")
+        sim.advance(5.0)
+        m = mon.end_window("w")
+        true = sim.gpus[0].true_energy_j() - e0
+        # Each instance reports the whole GPU, under the physical GPU's identity...
+        assert m.gpu[0].device_id == m.gpu[1].device_id == gpus[0].gpu_uuid
+        assert m.gpu[0].energy_j == pytest.approx(true, rel=1e-3)
+        # ...and the GPU counts once in the total.
+        assert m.total_energy_j == pytest.approx(true, rel=1e-3)
+        assert m.uncertainty_j == pytest.approx(m.gpu[0].uncertainty_j)
+        mon.close()
+
+
+def test_a_failed_end_edge_leaves_the_window_open() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5), skip_reads=False)
+    g = sim.gpus[0]
+    e0 = g.true_energy_j()
+    mon.begin_window("w")
+    sim.advance(1.0)
+    g.energy_j = lambda: (_ for _ in ()).throw(RuntimeError("NVML: GPU is lost"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="GPU is lost"):
+        mon.end_window("w")
+    assert mon.open_windows == ["w"]
+    del g.energy_j
+    m = mon.end_window("w")
+    assert m.gpu[0].energy_j == pytest.approx(g.true_energy_j() - e0, rel=1e-3)
+    assert mon.open_windows == []
+
+
+def test_block_windows_cannot_be_cancelled_or_restarted_by_name() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+    with mon.window("epoch") as w:
+        assert mon.open_windows == ["epoch"]
+        for op in (mon.cancel_window, mon.restart_window, mon.end_window):
+            with pytest.raises(WindowError, match="open as a `with monitor.window"):
+                op("epoch")
+        assert mon.open_windows == ["epoch"]
+        sim.advance(1.0)
+    assert w.measurement is not None and w.measurement.elapsed_s == pytest.approx(1.0)
+    with pytest.raises(WindowError, match="no open window named 'epoch'"):
+        mon.cancel_window("epoch")
+
+
+def test_log_csv_refuses_a_file_written_for_other_devices(tmp_path: Path) -> None:
+    path = tmp_path / "windows.csv"
+    sim = Simulator("A100x2,nocpu")
+    sim.set_workload(Constant(0.5))
+    with EnergyMonitor([0], devices=sim.devices(), log=path) as mon:
+        measure_span(sim, mon, "one", 1.0)
+    before = path.read_text()
+    with pytest.raises(ValueError, match=r"was written for other devices \(it lacks gpu1_energy_j, gpu1_source\)"):
+        EnergyMonitor([0, 1], devices=sim.devices(), log=path)
+    assert path.read_text() == before
+    with EnergyMonitor([0], devices=sim.devices(), log=path) as mon:  # the same devices append
+        measure_span(sim, mon, "two", 1.0)
+    assert [r[0] for r in csv.reader(path.open(newline=""))] == ["name", "one", "two"]
+
+
+def test_log_written_after_close_is_appended_and_closed(tmp_path: Path) -> None:
+    path = tmp_path / "windows.jsonl"
+    sim, mon = setup("A100,nocpu", Constant(0.5), log=path)
+    mon.begin_window("late")
+    sim.advance(0.5)
+    mon.close()
+    m = mon.end_window("late")
+    assert mon._log is not None and mon._log._file is None  # nothing left open
+    assert Measurement.from_dict(json.loads(path.read_text().splitlines()[-1])) == m
+
+
+def test_sampled_gpu_begin_edge_revision_keeps_to_the_sensor_period() -> None:
+    """A P100 reading changes only every sensor period: a change just after a begin edge must
+    not be applied to the whole time since the previous change."""
+    sim, mon = setup("P100,nocpu", Periodic([(0.37, 0.9), (0.23, 0.1)]))
+    rng = random.Random(1)
+    worst = 0.0
+    for _ in range(300):
+        sim.advance(rng.uniform(0, 0.2))
+        e0 = sim.gpus[0].true_energy_j()
+        mon.begin_window("w")
+        sim.advance(rng.choice([rng.uniform(0.05, 0.5), rng.uniform(0.5, 3)]))
+        m = mon.end_window("w")
+        worst = max(worst, abs(m.gpu[0].energy_j - (sim.gpus[0].true_energy_j() - e0)))
+    assert worst < 5.0  # up to 30 J when the first reading after the edge covered it all

@@ -37,6 +37,15 @@ class GPU(ABC):
     uuid: str
     vendor: str = "unknown"
 
+    @property
+    def measured_uuid(self) -> str:
+        """UUID of the device whose energy and power this one reports.
+
+        Its own UUID, except for a MIG instance: NVML reports the whole physical GPU there,
+        so two instances of one GPU read the same energy, which must be counted once.
+        """
+        return self.uuid
+
     # -- energy and power -------------------------------------------------------------------
     @abstractmethod
     def has_energy_counter(self) -> bool:

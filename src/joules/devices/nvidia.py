@@ -347,6 +347,11 @@ class NVMLGPU(GPU):
         except self._err as e:
             raise self._translate(e, "read the energy counter") from e
 
+    @property
+    def measured_uuid(self) -> str:
+        """The physical GPU's UUID (also for a MIG instance, which reports the whole GPU)."""
+        return self.gpu_uuid
+
     def energy_counter_period_s(self) -> float | None:
         if self._read_energy is None:
             return None

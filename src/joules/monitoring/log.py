@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -15,28 +16,63 @@ class WindowLog:
     """Appends measurements to ``path``; the format follows the suffix (``.jsonl`` or ``.csv``).
 
     Each line is flushed as it is written, so a killed job loses nothing already measured.
-    Thread-safe.
+    A measurement written after :meth:`close` is appended too (the file is opened for it and
+    closed again). Thread-safe.
+
+    A CSV file has one column per device, so every row must have the same devices. Given
+    ``columns`` (:meth:`csv_columns` of the devices measured), a CSV file that already has
+    other columns is refused at once, before anything is measured, rather than losing the
+    cells that have no column.
 
     Raises:
-        ValueError: The suffix is neither ``.jsonl`` nor ``.csv``.
+        ValueError: The suffix is neither ``.jsonl`` nor ``.csv``, or an existing CSV file's
+            header is not ``columns``.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, columns: Sequence[str] | None = None) -> None:
         self.path = Path(path)
         if self.path.suffix not in (".jsonl", ".csv"):
             raise ValueError(f"window log needs a .jsonl or .csv file name, got {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
+        self._closed = False
         self._csv_columns: list[str] | None = None
+        if columns is not None and self.path.suffix == ".csv":
+            existing = self._existing_header()
+            if existing is not None and existing != list(columns):
+                raise ValueError(self._mismatch(existing, list(columns)))
+
+    @staticmethod
+    def csv_columns(gpus: Sequence[int], cpus: Sequence[int], drams: Sequence[int]) -> list[str]:
+        """The CSV header for windows measuring these GPU, CPU package and DRAM indices."""
+        cols = ["name", "host", "start_time", "elapsed_s", "total_energy_j", "uncertainty_j"]
+        for prefix, keys in (("gpu", gpus), ("cpu", cpus), ("dram", drams)):
+            for k in keys:
+                cols += [f"{prefix}{k}_energy_j", f"{prefix}{k}_source"]
+        return cols
+
+    def _existing_header(self) -> list[str] | None:
+        if not (self.path.exists() and self.path.stat().st_size > 0):
+            return None
+        with self.path.open(newline="") as f:
+            return next(csv.reader(f), None)
+
+    def _mismatch(self, existing: list[str], wanted: list[str]) -> str:
+        missing = [c for c in wanted if c not in existing]
+        extra = [c for c in existing if c not in wanted]
+        what = "; ".join(part for part in (
+            f"it lacks {', '.join(missing)}" if missing else "",
+            f"it has {', '.join(extra)}, which these windows do not measure" if extra else "",
+        ) if part) or "its columns are in another order"
+        return (f"window log {self.path} was written for other devices ({what}): use another "
+                f"file, or a .jsonl log, which takes any devices")
 
     def _open(self) -> IO[str]:
         if self._file is None:
-            exists = self.path.exists() and self.path.stat().st_size > 0
+            if self.path.suffix == ".csv":
+                self._csv_columns = self._existing_header()
             self._file = self.path.open("a", newline="")
-            if exists and self.path.suffix == ".csv":
-                with self.path.open(newline="") as f:
-                    self._csv_columns = next(csv.reader(f), None)
         return self._file
 
     @staticmethod
@@ -56,22 +92,35 @@ class WindowLog:
         return row
 
     def write(self, m: Measurement) -> None:
-        """Append one measurement."""
+        """Append one measurement.
+
+        Raises:
+            ValueError: A CSV file's header does not have this measurement's devices (nothing
+                is written).
+        """
         with self._lock:
             f = self._open()
-            if self.path.suffix == ".jsonl":
-                f.write(json.dumps(m.to_dict()) + "\n")
-            else:
-                row = self._row(m)
-                if self._csv_columns is None:
-                    self._csv_columns = list(row)
-                    csv.writer(f).writerow(self._csv_columns)
-                csv.DictWriter(f, self._csv_columns, extrasaction="ignore").writerow(row)
-            f.flush()
+            try:
+                if self.path.suffix == ".jsonl":
+                    f.write(json.dumps(m.to_dict()) + "\n")
+                else:
+                    row = self._row(m)
+                    if self._csv_columns is None:
+                        self._csv_columns = list(row)
+                        csv.writer(f).writerow(self._csv_columns)
+                    elif set(row) != set(self._csv_columns):
+                        raise ValueError(self._mismatch(self._csv_columns, list(row)))
+                    csv.DictWriter(f, self._csv_columns).writerow(row)
+                f.flush()
+            finally:
+                if self._closed:
+                    f.close()
+                    self._file = None
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file (idempotent); a later :meth:`write` still appends."""
         with self._lock:
+            self._closed = True
             if self._file is not None:
                 self._file.close()
                 self._file = None

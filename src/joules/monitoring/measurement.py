@@ -28,8 +28,9 @@ class DeviceEnergy:
             period, or from the spacing of power samples).
         corrected: True when the window was shorter than the counter's update period, so
             the counter alone could not resolve it and power samples were used.
-        device_id: Stable identity of the device (GPU UUID, ``cpu<N>``), used when combining
-            measurements across processes.
+        device_id: Stable identity of the device measured (GPU UUID, the physical GPU's for
+            a MIG instance; ``<host>/cpu<N>``), used to count each device once in totals and
+            when combining measurements across processes.
 
     """
 
@@ -63,6 +64,19 @@ class DeviceEnergy:
 
 def _totals(zones: dict[int, DeviceEnergy]) -> dict[int, float]:
     return {k: v.energy_j for k, v in zones.items()}
+
+
+def _distinct(zones: dict[int, DeviceEnergy]) -> list[DeviceEnergy]:
+    """Each device once (entries with the same ``device_id``, as MIG instances of one GPU have)."""
+    seen: set[str] = set()
+    out = []
+    for d in zones.values():
+        if d.device_id:
+            if d.device_id in seen:
+                continue
+            seen.add(d.device_id)
+        out.append(d)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +119,24 @@ class Measurement:
 
     @property
     def total_energy_j(self) -> float:
-        """Energy of every measured device together, J."""
-        return sum(d.energy_j for zones in (self.gpu, self.cpu, self.dram) for d in zones.values())
+        """Energy of every measured device together, J; a device seen twice counts once.
+
+        MIG instances of one GPU each report the whole GPU, under its ``device_id``. (Ids
+        are compared within one host: a measurement combined across hosts has each host's
+        devices once already, and ids derived from indices may repeat across hosts.)
+        """
+        return sum(d.energy_j for d in self._devices())
 
     @property
     def uncertainty_j(self) -> float:
         """Bound on the absolute error of :attr:`total_energy_j`, J."""
-        return sum(
-            d.uncertainty_j for zones in (self.gpu, self.cpu, self.dram) for d in zones.values()
-        )
+        return sum(d.uncertainty_j for d in self._devices())
+
+    def _devices(self) -> list[DeviceEnergy]:
+        zones = (self.gpu, self.cpu, self.dram)
+        if "," in self.host:  # combined across hosts (host names have no commas)
+            return [d for z in zones for d in z.values()]
+        return [d for z in zones for d in _distinct(z)]
 
     @property
     def average_power_w(self) -> float:

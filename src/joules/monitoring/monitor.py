@@ -38,6 +38,7 @@ class _GPUEdge:
     t: float = math.nan  # time of the counter read
     counter: float = math.nan  # raw counter value read
     tick: float = math.nan  # estimated time of the update that produced ``counter``
+    resets: int = 0  # counter resets the tracker had seen by the edge
 
 
 @dataclass(slots=True)
@@ -120,16 +121,20 @@ class EnergyMonitor:
         self.gpus: list[GPU] = _select(self.devices.gpus, gpu_indices, "GPU")
         self.cpus: list[CPU] = _select(self.devices.cpus, cpu_indices, "CPU")
         self._dram = [c.has_dram() for c in self.cpus]
-        self._counter = [g.has_energy_counter() for g in self.gpus]
         self._periods = [g.energy_counter_period_s() or 0.0 for g in self.gpus]
         self._sync = make_sync(sync, [g.index for g in self.gpus])
-        self._log = WindowLog(log) if log is not None else None
+        self._log = None
+        if log is not None:
+            drams = [c.index for c, d in zip(self.cpus, self._dram, strict=True) if d]
+            columns = WindowLog.csv_columns([g.index for g in self.gpus], [c.index for c in self.cpus], drams)
+            self._log = WindowLog(log, columns)
         self._host = socket.gethostname()
         self._windows: dict[str, _Edge] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
         self._trackers = [self.sampler.tracker(g.index) for g in self.gpus]
+        self._counter = [t is not None for t in self._trackers]  # measured from the energy counter
         self._skip_reads = skip_reads
         self.reads = {"counter": 0, "counter_skipped": 0, "power": 0}
         """Device reads made at window edges (the sampler's not included), and reads skipped."""
@@ -165,12 +170,23 @@ class EnergyMonitor:
         """Sampled-power reading at a begin edge, revised with the first sample after it.
 
         The first reading after the edge describes the power around it better than the
-        reading before, which the edge had to extrapolate.
+        reading before, which the edge had to extrapolate. Where the sensor's update phase is
+        known, that reading covers only the sensor period before its update (as in the
+        sampler's integral): before that, the power read at the edge held.
         """
         after = self.sampler.sample(gpu.index, b.samples)
         if after is None:
             return b.energy
-        return b.counter + after[1] * (b.t - b.tick)
+        power = after[1]
+        sensor = self.sampler.sensor_update(gpu.index, b.samples)
+        if sensor is None:  # each reading covers the interval since the previous sample
+            return b.counter + power * (b.t - b.tick)
+        update, period = sensor
+        split = max(b.tick, update - period)
+        if b.t <= split:
+            return b.energy
+        before = (b.energy - b.counter) / (b.t - b.tick)  # the reading the edge extrapolated
+        return b.counter + before * (split - b.tick) + power * (b.t - split)
 
     def _edge(self, name: str) -> _Edge:
         if self._sync is not None:
@@ -203,7 +219,7 @@ class EnergyMonitor:
             gpu_edges.append(_GPUEdge(
                 c + power * since,
                 spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
-                samples, t, c, tick,
+                samples, t, c, tick, tracker.resets,
             ))
         t = now()
         cpu = [c.package_energy_j() for c in self.cpus]
@@ -244,9 +260,17 @@ class EnergyMonitor:
     def _end(self, key: str) -> Measurement:
         with self._lock:
             begin = self._windows.pop(key, None)
-        if begin is None:
-            raise WindowError(f"no open window named {key!r}")
-        m = self._measure(begin, self._edge(begin.name))
+            if begin is None:
+                raise WindowError(self._not_open(key))
+        try:
+            end = self._edge(begin.name)
+        except BaseException:
+            # A failed read (or sync) at the end edge leaves the window open: it can be ended
+            # again, or cancelled.
+            with self._lock:
+                self._windows.setdefault(key, begin)
+            raise
+        m = self._measure(begin, end)
         self.last[m.name] = m
         if self._log is not None:
             self._log.write(m)
@@ -260,13 +284,28 @@ class EnergyMonitor:
         """
         with self._lock:
             if self._windows.pop(name, None) is None:
-                raise WindowError(f"no open window named {name!r}")
+                raise WindowError(self._not_open(name))
 
     def restart_window(self, name: str) -> None:
-        """Discard window ``name`` if open, and open it again from now."""
+        """Discard window ``name`` if open, and open it again from now.
+
+        Raises:
+            WindowError: ``name`` is open only as a :meth:`window` block or :meth:`measure`d
+                call, which ends with its block.
+        """
         with self._lock:
-            self._windows.pop(name, None)
+            if self._windows.pop(name, None) is None and name in self._block_names():
+                raise WindowError(self._not_open(name))
         self.begin_window(name)
+
+    def _block_names(self) -> set[str]:
+        return {e.name for k, e in self._windows.items() if k != e.name}
+
+    def _not_open(self, name: str) -> str:
+        if name in self._block_names():
+            return (f"window {name!r} is open as a `with monitor.window(...)` block or a measured "
+                    f"call: it ends with its block (raise inside the block to discard it)")
+        return f"no open window named {name!r}"
 
     @property
     def open_windows(self) -> list[str]:
@@ -308,12 +347,25 @@ class EnergyMonitor:
         return decorate
 
     # -- measurement ------------------------------------------------------------------------
+    def _sampled_energy(self, gpu: GPU, b: _GPUEdge, e: _GPUEdge, elapsed: float) -> tuple[float, float]:
+        """Energy from the sampler's power readings taken inside a window, and its bound."""
+        readings = [s[1] for i in range(b.samples, e.samples)
+                    if (s := self.sampler.sample(gpu.index, i)) is not None]
+        power = sum(readings) / len(readings) if readings else self._power_now(gpu, b.t + elapsed)
+        spread = self.sampler.power_spread(gpu.index)
+        return power * elapsed, (spread + _GPU_POWER_RESOLUTION_W) * elapsed
+
     def _measure(self, begin: _Edge, end: _Edge) -> Measurement:
         elapsed = max(0.0, end.t - begin.t)
         gpu: dict[int, DeviceEnergy] = {}
         for k, g in enumerate(self.gpus):
             b, e = begin.gpu[k], end.gpu[k]
-            if self._counter[k] and e.counter == b.counter:
+            if self._counter[k] and e.resets != b.resets:
+                # The counter was reset inside the window (driver reload, GPU reset): its
+                # readings no longer compare. The sampler's power readings over the window.
+                energy, uncertainty = self._sampled_energy(g, b, e, elapsed)
+                source, corrected = Source.SAMPLED, False
+            elif self._counter[k] and e.counter == b.counter:
                 # The counter did not move: the window fell between two of its updates. The
                 # power reading now (the latest sensor period) times the elapsed time.
                 power = self._power_now(g, end.t)
@@ -343,7 +395,7 @@ class EnergyMonitor:
                 # there, however short the window (a sample taken inside a short window
                 # revises the power assumed at its begin edge).
                 uncertainty = spread * 2 * interval + _GPU_POWER_RESOLUTION_W * elapsed
-            gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.uuid)
+            gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
         cpu: dict[int, DeviceEnergy] = {}
         dram: dict[int, DeviceEnergy] = {}
         for k, c in enumerate(self.cpus):

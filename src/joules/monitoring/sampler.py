@@ -33,6 +33,9 @@ from joules.devices.base import CPU, GPU
 _PHASE_SWEEP_RATIO = 0.29
 # Floor of the default interval, also not a simple fraction of common counter periods.
 _MIN_INTERVAL_S = 0.0107
+# Assumed at most between a counter's updates where its period is not known (the slowest
+# known period): it only bounds when the update behind the first value seen came.
+_UNKNOWN_PERIOD_BOUND_S = 0.1
 
 
 class CounterTracker:
@@ -48,14 +51,20 @@ class CounterTracker:
     (``monotonic=False``): there any new value is an update, and reads are taken by one
     thread only.
 
+    A counter whose period is not known (``learn_phase=False``) is tracked without a phase:
+    each update is placed in the interval between the polls around it, no read is ever
+    skipped, and ``period_s`` only bounds when the update behind the first value seen came.
+
     Args:
         period_s: Nominal update period of the counter.
         monotonic: Whether values only grow (energy counters), so that a smaller value is a
             stale read or a reset.
+        learn_phase: Whether ``period_s`` is the counter's real period, whose phase can be
+            learned.
     """
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
-                 "_changes", "_values", "_last_end", "snapshot", "monotonic")
+                 "_changes", "_values", "_last_end", "snapshot", "monotonic", "learn_phase", "resets")
 
     history = 1024
     """Counter updates remembered, for interpolating window edges after the fact."""
@@ -66,9 +75,12 @@ class CounterTracker:
     stable_periods = 5
     """Periods without change after which a non-monotonic value is taken as steady."""
 
-    def __init__(self, period_s: float, monotonic: bool = True) -> None:
+    def __init__(self, period_s: float, monotonic: bool = True, learn_phase: bool = True) -> None:
         self.period = period_s
         self.monotonic = monotonic
+        self.learn_phase = learn_phase
+        self.resets = 0
+        """Times the counter was seen to go back (a driver reload or GPU reset)."""
         self._arc_start = 0.0
         self._arc_len = period_s  # phase unknown: the whole circle
         self._last_value: float | None = None
@@ -114,6 +126,7 @@ class CounterTracker:
                 # Not a stale read (it began after the latest one ended): the counter was
                 # reset. Start learning afresh.
                 last = None
+                self.resets += 1
                 self._arc_start, self._arc_len = 0.0, self.period
                 self._changes.clear()
                 self._values.clear()
@@ -130,7 +143,7 @@ class CounterTracker:
                 # The old value held at or after _last_t; the new one by t.
                 lo = min(self._last_t, t)
                 self._record(value, lo, t)
-                if 0 < t - lo < self.period:
+                if self.learn_phase and 0 < t - lo < self.period:
                     self._narrow(lo % self.period, t - lo)
             self._last_value = value
             self._last_t = tb
@@ -247,6 +260,7 @@ class _GPUTrack:
     tracker: CounterTracker | None
     times: np.ndarray
     powers: np.ndarray
+    updates: np.ndarray  # when the sensor produced each reading (NaN: not known)
     count: int = 0
     energy: float = 0.0  # running integral of sampled power, J
     last_t: float = math.nan
@@ -292,12 +306,19 @@ class PowerSampler:
         self.capacity = capacity
         self._tracks: dict[int, _GPUTrack] = {}
         for g in gpus:
-            period = g.energy_counter_period_s() if g.has_energy_counter() else None
+            tracker = None
+            if g.has_energy_counter():
+                period = g.energy_counter_period_s()
+                # A counter of unknown period (GPUs not yet characterized) is still the best
+                # source; it is tracked without a phase.
+                tracker = (CounterTracker(period) if period
+                           else CounterTracker(_UNKNOWN_PERIOD_BOUND_S, learn_phase=False))
             power_period = g.power_update_period_s()
             self._tracks[g.index] = _GPUTrack(
                 gpu=g,
-                tracker=CounterTracker(period) if period else None,
+                tracker=tracker,
                 times=np.zeros(capacity),
+                updates=np.full(capacity, math.nan),
                 powers=np.zeros(capacity),
                 sensor=CounterTracker(power_period, monotonic=False) if power_period else None,
             )
@@ -377,6 +398,7 @@ class PowerSampler:
                 track.last_t = update
             i = track.count % self.capacity
             track.times[i] = t
+            track.updates[i] = math.nan if update is None else update
             track.powers[i] = p
             track.count += 1
             track.last_p = p
@@ -417,6 +439,19 @@ class PowerSampler:
                 return None
             j = i % self.capacity
             return float(track.times[j]), float(track.powers[j])
+
+    def sensor_update(self, index: int, i: int) -> tuple[float, float] | None:
+        """When the sensor produced the ``i``-th reading of GPU ``index``, and its period.
+
+        ``None`` where that is not known (no sensor phase is learned for this GPU, or the
+        sample is no longer retained).
+        """
+        track = self._tracks[index]
+        with self._lock:
+            if track.sensor is None or not track.count - self.capacity <= i < track.count:
+                return None
+            u = float(track.updates[i % self.capacity])
+        return None if math.isnan(u) else (u, track.sensor.period)
 
     def latest_power(self, index: int) -> float:
         """Most recent power reading of GPU ``index``, W."""
