@@ -103,8 +103,14 @@ def test_measure_cpus_none_and_log(tmp_path: Path, capsys: pytest.CaptureFixture
         (["measure", "--sim", "Z900", "--", "true"], "unknown model 'Z900'"),
         (["measure", "--sim", "A100", "--", "no-such-command-xyz"], "command not found"),
         (["info", "--sim", ""], "empty simulated-hardware SPEC"),
-        (["power", "--sim", "A100", "--interval", "0"], "--interval must be positive"),
+        (["power", "--sim", "A100", "--interval", "0"], "--interval must be a positive number of seconds"),
+        (["power", "--sim", "A100", "--duration", "nan"], "--duration must be a positive number of seconds"),
+        (["measure", "--sim", "A100", "--timeline", "no-such-dir/t.csv", "--", "true"],
+         "directory 'no-such-dir' does not exist"),
+        (["measure", "--sim", "A100", "--timeline", ".csv", "--", "true"],
+         "needs a .csv or .jsonl file name"),
         (["info", "--bogus"], "No such option"),
+        (["restore", "--sim", "A100", "--journal-dir", "/etc/passwd"], "is not a directory"),
     ],
 )
 def test_bad_input_gets_one_line_error(args: list[str], message: str) -> None:
@@ -181,6 +187,39 @@ def test_measure_writes_power_timeline(tmp_path: Path) -> None:
     assert all(float(row.split(",")[2]) == pytest.approx(55.0, abs=1.0) for row in rows[1:])
 
 
+@pytest.mark.parametrize(("command", "code", "message"), [
+    (["no-such-command-xyz"], 127, "command not found"),
+    (["/etc/passwd"], 126, "command not executable"),
+])
+def test_measure_exits_as_a_shell_when_the_command_cannot_run(command: list[str], code: int,
+                                                               message: str) -> None:
+    r = joules("measure", "--sim", "A100", "--", *command)
+    assert r.returncode == code
+    assert r.stderr.strip().splitlines() == [f"joules: error: {message}: {command[0]}"]
+
+
+def test_measure_warns_when_no_device_is_found() -> None:
+    r = joules("measure", "--sim", "nocpu", "--json", "--", "true")
+    assert r.returncode == 0
+    assert "no GPU or CPU energy readings found" in r.stderr
+    assert json.loads(r.stdout)["total_energy_j"] == 0
+
+
+def test_sigterm_to_joules_reaches_the_command_and_still_reports() -> None:
+    import os
+    import signal
+    import time
+
+    p = subprocess.Popen([JOULES, "measure", "--sim", "A100", "--json", "--", "sleep", "30"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    os.kill(p.pid, signal.SIGTERM)  # joules alone, not its process group
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM, err  # sleep ended by the forwarded SIGTERM
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["exit_code"] == 128 + signal.SIGTERM and 0.5 < report["time_s"] < 10
+
+
 def test_timeline_needs_known_format() -> None:
     r = joules("power", "--sim", "A100", "--duration", "0.1", "--timeline", "x.txt")
     assert r.returncode == 2
@@ -228,7 +267,7 @@ def test_restore_puts_back_what_a_dead_job_left(tmp_path: Path, monkeypatch: pyt
     gpu = Simulator("A100x2", state_file=state).gpus[1]
     gpu.set_power_limit_w(150.0)  # before the command's (cached) simulated GPUs read the file
     assert main(["restore", "--sim", "A100x2", "--journal-dir", str(jdir)]) == 0
-    assert capsys.readouterr().out == "nothing to restore\n"
+    assert capsys.readouterr().out == f"nothing to restore (no journal directory {jdir})\n"
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)

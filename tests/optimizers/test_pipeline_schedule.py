@@ -100,12 +100,23 @@ def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
         ("stage,instruction,frequency,time,energy\n0,forward,1,-1,1\n", "time '-1' must be a positive"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1,nan\n", "energy 'nan'"),
         ("stage,instruction,frequency,time,energy\n", "no rows"),
+        ("stage,instruction,frequency,time,energy\n0,forward,inf,1,1\n", "frequency 'inf' is not a finite"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1e400,1,1\n", "frequency '1e400' is not"),
     ],
 )
 def test_profile_errors_name_the_line_and_field(tmp_path, text, message) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(PipelineProfileError, match=message):
+        PipelineProfile.from_csv(path)
+
+
+def test_profile_with_a_byte_order_mark_reads_and_other_encodings_are_named(tmp_path) -> None:
+    path = tmp_path / "excel.csv"
+    path.write_bytes("stage,instruction,frequency,time,energy\n0,forward,1410,0.1,30\n".encode("utf-8-sig"))
+    assert PipelineProfile.from_csv(path).of(0, "forward") == (Option(1410, 0.1, 30.0),)
+    path.write_bytes("stage,instruction,frequency,time,energy\n0,forward,1410,0.1,3\xe9\n".encode("latin-1"))
+    with pytest.raises(PipelineProfileError, match=r"excel\.csv: not a UTF-8 text file"):
         PipelineProfile.from_csv(path)
 
 

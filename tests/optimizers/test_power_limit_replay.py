@@ -101,6 +101,12 @@ def test_profile_errors(tmp_path: Path) -> None:
     bad.write_text("window_name,elapsed_time,gpu0_energy\nwindow_high,1.0,5\n")
     with pytest.raises(ProfileError, match="does not end in a limit"):
         load_profile_csv(bad)
+    for limit in ("0", "-300", "inf", "nan"):
+        bad.write_text(f"window_name,elapsed_time,gpu0_energy\nw_300,1.0,5\nw_{limit},1.0,5\n")
+        with pytest.raises(ProfileError, match=f"'w_{limit}' ends in .* W, not a positive power limit"):
+            load_profile_csv(bad)
+    bad.write_bytes("window_name,elapsed_time,gpu0_energy\nw_300,1.0,5\n".encode("utf-8-sig"))
+    assert [p.limit_w for p in load_profile_csv(bad).points] == [300.0]
     with pytest.raises(ProfileError, match="has no 123 W limit"):
         synthetic().at(123)
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -57,32 +60,82 @@ def measurement_table(m: Measurement, title: str) -> Table:
 
 def check_timeline_path(path: str | None) -> None:
     """Fail before anything runs when a ``--timeline`` path cannot be written as asked."""
-    if path is not None and not path.endswith((".csv", ".jsonl")):
+    if path is None:
+        return
+    p = Path(path)
+    if p.suffix not in (".csv", ".jsonl") or p.stem == "":
         raise JoulesError(f"--timeline needs a .csv or .jsonl file name, got {path!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise JoulesError(f"--timeline {path!r}: directory {str(parent)!r} does not exist")
+    if p.is_dir() or not os.access(p if p.exists() else parent, os.W_OK):
+        raise JoulesError(f"--timeline {path!r} cannot be written")
+
+
+def export_timeline(monitor: EnergyMonitor, path: str | None) -> None:
+    """Write the sampler's timeline, after the results are out: a failure only warns."""
+    if path is None:
+        return
+    try:
+        monitor.sampler.export(path)
+    except OSError as e:
+        print(f"joules: warning: could not write the timeline to {path}: {e}", file=sys.stderr)
+
+
+def warn_if_nothing_measured(monitor: EnergyMonitor) -> None:
+    """Say so on stderr when no device was found (every energy would read 0 J)."""
+    if not monitor.gpus and not monitor.cpus:
+        print("joules: warning: no GPU or CPU energy readings found, so nothing is measured "
+              "(see `joules info`; --sim SPEC simulates devices)", file=sys.stderr)
+
+
+def check_duration(name: str, value: float | None) -> None:
+    """A finite positive number of seconds, or ``None``."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise JoulesError(f"{name} must be a positive number of seconds, got {value:g}")
 
 
 def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
     """Run ``command`` inside a window; return its exit code and the measurement.
 
     Ctrl-C reaches the child (same process group); joules waits for it to end and still
-    reports what was measured.
+    reports what was measured. SIGTERM sent to joules alone is passed on to the child, and
+    is handled the same way.
+
+    Raises:
+        CommandNotRunError: The command was not found (exit code 127) or is not executable
+            (126), as a shell reports them.
     """
     monitor.begin_window("command")
     try:
         proc = subprocess.Popen(command)
     except FileNotFoundError:
         monitor.cancel_window("command")
-        raise JoulesError(f"command not found: {command[0]}") from None
+        raise CommandNotRunError(f"command not found: {command[0]}", 127) from None
     except PermissionError:
         monitor.cancel_window("command")
-        raise JoulesError(f"command not executable: {command[0]}") from None
+        raise CommandNotRunError(f"command not executable: {command[0]}", 126) from None
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child handles Ctrl-C
+    previous_term = signal.signal(signal.SIGTERM, forward)
     try:
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     m = monitor.end_window("command")
     return (128 - code if code < 0 else code), m
+
+
+class CommandNotRunError(JoulesError):
+    """The measured command could not be started; ``exit_code`` is what a shell would return."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def register(app: typer.Typer) -> None:
@@ -106,15 +159,18 @@ def register(app: typer.Typer) -> None:
             raise JoulesError("no command given (usage: joules measure [OPTIONS] -- CMD [ARGS...])")
         check_timeline_path(timeline)
         monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
+        warn_if_nothing_measured(monitor)
         try:
             code, m = run_measured(command, monitor)
+        except CommandNotRunError as e:
+            print(f"joules: error: {e}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
         finally:
             monitor.close()
-        if timeline:
-            monitor.sampler.export(timeline)
         if as_json:
             print(json.dumps(measurement_json(command, code, m)))
         else:
             Console(stderr=True).print(measurement_table(m, shlex.join(command)))
         sys.stdout.flush()
+        export_timeline(monitor, timeline)
         return code

@@ -12,8 +12,13 @@ from rich.live import Live
 from rich.table import Table
 
 from joules.cli import SIM_HELP, use_sim
-from joules.cli.measure import check_timeline_path, measurement_table
-from joules.errors import JoulesError
+from joules.cli.measure import (
+    check_duration,
+    check_timeline_path,
+    export_timeline,
+    measurement_table,
+    warn_if_nothing_measured,
+)
 from joules.monitoring.monitor import EnergyMonitor
 
 
@@ -62,13 +67,12 @@ def register(app: typer.Typer) -> None:
         sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
     ) -> None:
         """Show live power per device; on Ctrl-C or after --duration, total energy per device."""
-        if interval <= 0:
-            raise JoulesError(f"--interval must be positive, got {interval:g}")
-        if duration is not None and duration <= 0:
-            raise JoulesError(f"--duration must be positive, got {duration:g}")
+        check_duration("--interval", interval)
+        check_duration("--duration", duration)
         use_sim(sim)
         check_timeline_path(timeline)
         monitor = EnergyMonitor()
+        warn_if_nothing_measured(monitor)
         cpu_power = _CpuPower(monitor)
         console = Console()
         start = time.monotonic()
@@ -98,8 +102,6 @@ def register(app: typer.Typer) -> None:
         finally:
             m = monitor.end_window("power")
             monitor.close()
-            if timeline:
-                monitor.sampler.export(timeline)
         if as_json:
             print(json.dumps({"time_s": m.elapsed_s, "energy_j": {
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
@@ -108,3 +110,4 @@ def register(app: typer.Typer) -> None:
             }, "total_energy_j": m.total_energy_j}))
         else:
             console.print(measurement_table(m, "energy"))
+        export_timeline(monitor, timeline)

@@ -10,6 +10,7 @@ import typer
 from joules.cli import SIM_HELP, use_sim
 from joules.devices.discovery import discover
 from joules.devices.restore import default_journal_dir, recover_report
+from joules.errors import JoulesError
 
 
 def register(app: typer.Typer) -> None:
@@ -31,6 +32,8 @@ def register(app: typer.Typer) -> None:
         something could not be restored or a journal is unreadable.
         """
         use_sim(sim)
+        if journal_dir is not None and journal_dir.exists() and not journal_dir.is_dir():
+            raise JoulesError(f"--journal-dir {str(journal_dir)!r} is not a directory")
         directory = journal_dir if journal_dir is not None else default_journal_dir()
         lines = recover_report(discover().gpus, directory)
         ok = all(line.ok for line in lines)
@@ -46,5 +49,7 @@ def register(app: typer.Typer) -> None:
             for line in lines:
                 print(line.message)
             if not restored and ok:
-                print("nothing to restore")
+                # Name a directory that does not exist: a mistyped --journal-dir shows.
+                print("nothing to restore" if directory.is_dir()
+                      else f"nothing to restore (no journal directory {directory})")
         return 0 if ok else 1

@@ -155,17 +155,23 @@ class PipelineProfile:
         if not path.is_file():
             raise PipelineProfileError(f"pipeline profile not found: {path}")
         rows: list[tuple[int, str, int, float, float]] = []
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in (reader.fieldnames or [])]
-            missing = [c for c in COLUMNS if c not in header]
-            if missing:
+        # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            try:
+                reader = csv.DictReader(f)
+                header = [h.strip() for h in (reader.fieldnames or [])]
+                missing = [c for c in COLUMNS if c not in header]
+                if missing:
+                    raise PipelineProfileError(
+                        f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
+                    )
+                for line, raw in enumerate(reader, start=2):
+                    row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
+                    rows.append(_parse_row(path, line, row))
+            except UnicodeDecodeError as e:
                 raise PipelineProfileError(
-                    f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
-                )
-            for line, raw in enumerate(reader, start=2):
-                row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
-                rows.append(_parse_row(path, line, row))
+                    f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})"
+                ) from None
         return cls.from_rows(rows, name=path.name)
 
     def to_csv(self, path: str | Path) -> None:
@@ -193,8 +199,8 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
         raise bad("instruction", f"is not one of {', '.join(KINDS)}")
     try:
         frequency = int(float(row["frequency"]))
-    except ValueError:
-        raise bad("frequency", "is not a number") from None
+    except (ValueError, OverflowError):  # OverflowError: inf
+        raise bad("frequency", "is not a finite number") from None
     if frequency <= 0:
         raise bad("frequency", "must be positive")
     values = []

@@ -80,12 +80,16 @@ def _require(path: str | Path) -> Path:
 
 
 def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in needed if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
-        return list(reader)
+    # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        try:
+            reader = csv.DictReader(f)
+            missing = [c for c in needed if c not in (reader.fieldnames or [])]
+            if missing:
+                raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
+            return list(reader)
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
 
 
 def _float(path: Path, row: dict[str, str], column: str) -> float:
@@ -110,11 +114,14 @@ def load_profile_csv(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: no gpuN_energy column")
     totals: dict[float, list[float]] = {}
     for row in rows:
+        name = row["window_name"]
         try:
-            limit = float(row["window_name"].rsplit("_", 1)[-1])
+            limit = float(name.rsplit("_", 1)[-1])
         except ValueError:
-            name = row["window_name"]
             raise ProfileError(f"{path}: window name {name!r} does not end in a limit") from None
+        if not (math.isfinite(limit) and limit > 0):
+            raise ProfileError(f"{path}: window name {name!r} ends in {limit:g} W, "
+                               f"not a positive power limit")
         energy = sum(_float(path, row, c) for c in gpu_cols)
         t = totals.setdefault(limit, [0.0, 0.0])
         t[0] += _float(path, row, "elapsed_time")
@@ -178,7 +185,10 @@ def profiles_in(paths: Sequence[str | Path]) -> list[Profile]:
     out: list[Profile] = []
     for p in paths:
         path = _require(p)
-        with path.open(newline="") as f:
-            header = next(csv.reader(f), [])
+        try:
+            with path.open(newline="", encoding="utf-8-sig") as f:
+                header = next(csv.reader(f), [])
+        except UnicodeDecodeError as e:
+            raise ProfileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
         out.extend(trace_profiles(path) if "power_limit" in header else [load_profile_csv(path)])
     return out
