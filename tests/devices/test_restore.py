@@ -310,6 +310,90 @@ def test_no_signal_handlers_outside_the_main_thread(sim: Simulator, jdir: Path) 
     assert sim.gpus[0].power_limit_w() == 400.0
 
 
+def test_handlers_installed_ahead_protect_changes_made_from_another_thread(
+    sim: Simulator, jdir: Path, sigterm_recorder: list[int]
+) -> None:
+    import threading
+
+    g = sim.gpus[0]
+    ours = signal.getsignal(signal.SIGTERM)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+    assert guard.install_signal_handlers()
+    t = threading.Thread(target=guard.lock_sm_clock, args=(g, 1005.0, 1005.0))
+    t.start()
+    t.join()
+    assert g.sm_clock_locked() == (1005.0, 1005.0)
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert g.sm_clock_locked() is None and journals(jdir) == []
+    # Held: still in place with nothing to restore, for the next change from the thread.
+    assert signal.getsignal(signal.SIGTERM) == guard._handle_signal
+    guard.uninstall_signal_handlers()
+    assert signal.getsignal(signal.SIGTERM) is ours
+
+
+def test_restore_that_partly_failed_keeps_the_hooks(
+    sim: Simulator, jdir: Path, sigterm_recorder: list[int]
+) -> None:
+    g = sim.gpus[0]
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir)
+    guard.set_power_limit_w(g, 200.0)
+    g.allow_control = False  # the driver refuses the restore for a while
+    assert len(guard.restore()) == 1
+    g.allow_control = True
+    guard.set_power_limit_w(g, 150.0)  # training goes on
+    assert signal.getsignal(signal.SIGTERM) == guard._handle_signal
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert g.power_limit_w() == 400.0 and guard.changed == [] and journals(jdir) == []
+
+
+def test_restore_that_partly_failed_still_restores_at_exit(
+    sim: Simulator, jdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exit_hooks: list[object] = []
+    monkeypatch.setattr(restore_mod.atexit, "register", exit_hooks.append)
+    monkeypatch.setattr(restore_mod.atexit, "unregister", exit_hooks.remove)
+    g = sim.gpus[0]
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    guard.set_power_limit_w(g, 200.0)
+    g.allow_control = False
+    guard.restore()
+    g.allow_control = True
+    guard.set_power_limit_w(g, 150.0)
+    assert exit_hooks == [guard._at_exit]
+    guard._at_exit()  # what the interpreter runs at exit
+    assert g.power_limit_w() == 400.0 and exit_hooks == []
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_guards_on_one_gpu_put_back_the_limit_it_had_before_both(
+    sim: Simulator, jdir: Path, first: str
+) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(300.0)
+    a = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    b = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    a.set_power_limit_w(g, 200.0)
+    b.set_power_limit_w(g, 250.0)  # sees 200 W, but a's journal records 300 W before it
+    assert b.changed[0].original_power_limit_w == 300.0
+    for guard in (a, b) if first == "a" else (b, a):
+        guard.restore()
+    assert g.power_limit_w() == 300.0 and journals(jdir) == []
+
+
+def test_the_original_of_a_dead_or_other_host_journal_is_not_taken(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(250.0)  # e.g. the admin's limit since that job
+    write_journal(jdir, dead_pid(), [entry(g, 300.0)], name="dead.json")
+    write_journal(jdir, os.getpid(), [entry(g, 350.0)], host="some-other-host", name="other.json")
+    guard = RestoreGuard([g], journal_dir=jdir, handle_signals=False, recover_stale=False)
+    guard.set_power_limit_w(g, 200.0)
+    assert guard.changed[0].original_power_limit_w == 250.0
+    guard.restore()
+    assert g.power_limit_w() == 250.0
+
+
 def test_default_journal_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path / "s"))
     assert default_journal_dir() == tmp_path / "s" / "restore"
@@ -345,6 +429,23 @@ def test_recover_restores_what_a_dead_process_left(sim: Simulator, jdir: Path) -
     assert (g0.power_limit_w(), g1.power_limit_w(), g1.sm_clock_locked()) == (300.0, 275.0, None)
     assert journals(jdir) == []
     assert recover(sim.gpus, jdir) == []
+
+
+@pytest.mark.parametrize("stamp", ["created", "written"])
+def test_recover_applies_the_oldest_original_last(sim: Simulator, jdir: Path, stamp: str) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(150.0)
+    # Two killed jobs lowered the GPU; the later one recorded the earlier one's 200 W as its
+    # original (journals without the original of a running job). The older journal sorts
+    # first by name, so recovering in name order would end at 200 W.
+    times = {"created": (1000.0, 2000.0),
+             "written": ("2024-05-01T10:00:00+0000", "2024-05-01T11:00:00+0000")}[stamp]
+    for name, when, limit in (("a.json", times[0], 400.0), ("b.json", times[1], 200.0)):
+        path = write_journal(jdir, dead_pid(), [entry(g, limit)], name=name)
+        path.write_text(json.dumps({**json.loads(path.read_text()), stamp: when}))
+    lines = recover(sim.gpus, jdir)
+    assert len(lines) == 2 and "150 W -> 200 W" in lines[0] and "200 W -> 400 W" in lines[1]
+    assert g.power_limit_w() == 400.0 and journals(jdir) == []
 
 
 def test_recover_leaves_live_and_other_host_journals_alone(sim: Simulator, jdir: Path) -> None:
@@ -543,3 +644,96 @@ def test_journal_records_pid_and_start_time_of_the_writer(jdir: Path) -> None:
     assert path.name == f"{socket.gethostname()}-{os.getpid()}-{guard._id}.json"
     assert restore_mod.process_alive(os.getpid(), json.loads(path.read_text())["process_start_time"])
     guard.restore()
+
+
+TWO_JOBS_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from joules.devices.discovery import discover
+    from joules.devices.restore import RestoreGuard
+
+    gpus = discover().gpus
+    guard = RestoreGuard(gpus)
+    guard.set_power_limit_w(gpus[0], float(sys.argv[1]))
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[2]):  # until the parent says the job is done
+        time.sleep(0.02)
+""")
+
+
+def test_two_processes_lowering_one_gpu_leave_it_as_it_was(
+    shared: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    state, env = shared
+    def job(limit: str, done: Path) -> subprocess.Popen[str]:
+        return start_ready([sys.executable, "-c", TWO_JOBS_CHILD, limit, str(done)], env, "ready",
+                           timeout_s=30)
+
+    a = job("200", tmp_path / "a-done")
+    b = None
+    try:
+        b = job("150", tmp_path / "b-done")
+        assert recorded(state)[0] == 150.0
+        for p, done in ((a, "a-done"), (b, "b-done")):  # the first job ends first
+            (tmp_path / done).touch()
+            _, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert recorded(state)[0] == 300.0
+    assert journals(tmp_path / "restore") == []
+
+
+SIGNAL_CHILD = textwrap.dedent("""
+    import signal, sys
+    from joules.devices.discovery import discover
+    from joules.devices.restore import RestoreGuard
+    from joules.errors import DevicePermissionError
+
+    mode = sys.argv[1]
+    g0, g1 = discover().gpus
+
+    def user_handler(signum, frame):  # e.g. a framework's checkpoint-on-SIGTERM handler
+        print("user handler", flush=True)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, user_handler)
+    a = RestoreGuard([g0])
+    b = RestoreGuard([g1])
+    a.set_power_limit_w(g0, 200.0)
+    real = type(g1).set_power_limit_w
+
+    def interrupted(self, watts):  # SIGTERM lands while b changes g1
+        if self is g1:
+            signal.raise_signal(signal.SIGTERM)
+            if mode == "failed-change":
+                raise DevicePermissionError("no permission")
+        real(self, watts)
+
+    if mode == "restore":
+        b.set_power_limit_w(g1, 250.0)
+        type(g1).set_power_limit_w = interrupted
+        b.restore()  # e.g. b's with block ends normally
+    else:
+        type(g1).set_power_limit_w = interrupted
+        try:
+            b.set_power_limit_w(g1, 250.0)  # b's first change fails
+        except DevicePermissionError:
+            pass
+    print("not reached", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["restore", "failed-change"])
+def test_signal_while_a_guard_restores_reaches_the_earlier_handlers(
+    mode: str, shared: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    state, env = shared
+    r = subprocess.run([sys.executable, "-c", SIGNAL_CHILD, mode], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 143, r.stderr  # the user's handler ran, after every guard restored
+    assert r.stdout == "user handler\n"
+    assert recorded(state)[:2] == (300.0, 275.0)
+    assert journals(tmp_path / "restore") == []

@@ -403,3 +403,62 @@ def test_asynchronous_job_ending_without_restore_leaves_no_lock(tmp_path: Path) 
     assert r.stdout == "locked (1200.0, 1200.0)\n"
     assert _lock(state) is None  # the worker stopped before the guard's exit handler restored
     assert journals(tmp_path / "joules-state" / "restore") == []
+
+
+def test_asynchronous_sigterm_resets_a_clock_locked_by_the_background_thread(
+        sim: Simulator, tmp_path: Path) -> None:
+    calls: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        gpu = sim.gpus[0]
+        with FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True) as ctl:
+            ctl.on_instruction_begin("forward", 0)
+            ctl.flush(timeout=10)
+            assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+            signal.raise_signal(signal.SIGTERM)
+            assert calls == [signal.SIGTERM]  # passed on to the handler that was there
+            assert gpu.sm_clock_locked() is None and journals(tmp_path) == []
+            ctl.on_instruction_begin("forward", 1)  # training goes on: still protected
+            ctl.flush(timeout=10)
+            signal.raise_signal(signal.SIGTERM)
+            assert gpu.sm_clock_locked() is None and calls == [signal.SIGTERM] * 2
+            assert ctl.guard is not None and signal.getsignal(signal.SIGTERM) == ctl.guard._handle_signal
+        assert signal.getsignal(signal.SIGTERM) is not ctl.guard._handle_signal  # released at the end
+        signal.raise_signal(signal.SIGTERM)
+        assert calls == [signal.SIGTERM] * 3
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+ASYNC_WAIT_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from joules.devices.sim import Simulator
+    from joules.optimizers.pipeline.controller import FrequencyController
+
+    sim = Simulator("A100", state_file=sys.argv[1])
+    with FrequencyController(sim.gpus[0], json.loads(sys.argv[2]), asynchronous=True) as ctl:
+        ctl.on_instruction_begin("forward", 1)
+        ctl.flush(timeout=10)
+        print("locked", sim.gpus[0].sm_clock_locked(), flush=True)
+        while True:
+            time.sleep(0.05)
+""")
+
+
+def test_asynchronous_job_stopped_by_sigterm_leaves_no_lock(tmp_path: Path) -> None:
+    state = tmp_path / "sim-state.json"
+    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
+    env.pop("JOULES_SIM", None)
+    p = start_ready([sys.executable, "-c", ASYNC_WAIT_CHILD, str(state), json.dumps(PLAN)], env,
+                    "locked (1200.0, 1200.0)")
+    try:
+        assert _lock(state) == (1200.0, 1200.0)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == -signal.SIGTERM, err
+    assert _lock(state) is None
+    assert journals(tmp_path / "joules-state" / "restore") == []

@@ -244,3 +244,60 @@ def test_a_second_fit_with_the_same_optimizer_reapplies_or_resumes():
     train(sim, opt, epochs=1, steps=3, limits_seen=seen)
     assert seen == [(opt.chosen_limit_w,)] * 3
     assert sim.gpus[0].power_limit_w() == 300.0
+
+
+def test_epochs_no_longer_than_the_warmup_are_still_profiled(caplog):
+    # 10 steps per epoch and warmup_steps=10: warming up fully after every epoch end would
+    # never measure a step, and the GPU would run at the highest limit, above the admin's.
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
+    sim.gpus[0].set_power_limit_w(250.0)  # what the admin had set
+    seen: list[tuple[float, ...]] = []
+    with caplog.at_level(logging.WARNING, logger="joules.power_limit"):
+        train(sim, opt, epochs=200, steps=10, limits_seen=seen)
+    assert opt.state is State.DONE and opt.chosen_limit_w is not None
+    assert "epochs of 10 steps are short" in caplog.text
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
+        assert p.energy_j == pytest.approx(truth("A100", limit).energy_j, rel=1e-2)
+    assert seen[-1] == (opt.chosen_limit_w,)
+    assert sim.gpus[0].power_limit_w() == 250.0
+
+
+def test_the_warmup_after_a_limit_change_goes_on_across_an_epoch_end():
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=6, profile_steps=20)
+    opt.on_train_begin()
+    for _ in range(4):  # 4 of the 6 warm-up steps at the first limit, then the epoch ends
+        opt.on_step_begin()
+        sim.run(WORK_S, CF)
+        opt.on_step_end()
+    opt.on_epoch_end()
+    states = []
+    for _ in range(3):
+        opt.on_step_begin()
+        sim.run(WORK_S, CF)
+        opt.on_step_end()
+        states.append(opt.state)
+    # Fewer than half of the 4-step epoch (1 step) would do after a pause, but the limit
+    # set 4 steps ago still needs 2 more.
+    assert states == [State.WARMUP, State.PROFILING, State.PROFILING]
+    opt.on_train_end()
+
+
+def test_profiling_that_can_measure_nothing_gives_up_and_keeps_the_admins_limit(caplog):
+    # One step per epoch and no on_step_begin: a window opens at a step's end and the epoch
+    # ends right after it, so no step is ever measured.
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=2)
+    sim.gpus[0].set_power_limit_w(250.0)
+    opt.on_train_begin()
+    assert sim.gpus[0].power_limit_w() == 400.0  # the reference limit, while profiling
+    with caplog.at_level(logging.WARNING, logger="joules.power_limit"):
+        for _ in range(50):
+            opt.on_epoch_begin()
+            sim.run(WORK_S, CF)
+            opt.on_step_end()
+            opt.on_epoch_end()
+    assert opt.state is State.DONE and opt.chosen_limit_w is None and opt.points == {}
+    assert "profiling is given up" in caplog.text
+    assert sim.gpus[0].power_limit_w() == 250.0  # for the rest of the run
+    opt.on_train_end()
+    assert sim.gpus[0].power_limit_w() == 250.0

@@ -7,13 +7,20 @@ before its first change, and puts that back when the job ends:
 
 - explicitly (:meth:`RestoreGuard.restore`, or leaving its ``with`` block);
 - at interpreter exit, including after an uncaught exception (``atexit``);
-- on SIGINT and SIGTERM (when the first change is made in the main thread), after which
+- on SIGINT and SIGTERM (when the first change is made in the main thread, or
+  :meth:`RestoreGuard.install_signal_handlers` was called from it beforehand), after which
   the signal goes on to the handler that was there before.
+
+Several guards may change the same GPU (two components of a job, or two jobs on one
+machine): the first change of a GPU takes the original limit from the journal of a running
+process that changed it already, when there is one, so whichever guard restores last puts
+back the limit the GPU had before any of them.
 
 SIGKILL (and a machine or driver crash) cannot be caught. For those, each guard keeps a
 small journal file, written *before* the device is changed, naming the GPUs and their
 original settings. :func:`recover` (run by every new guard, and by ``joules restore``)
-puts back what the journals of processes that are gone record, and deletes the journals.
+puts back what the journals of processes that are gone record, and deletes the journals;
+where several name one GPU, the oldest journal's original limit is applied last.
 
 Journals live in ``$JOULES_STATE_DIR/restore``, else ``$XDG_STATE_HOME/joules/restore``,
 else ``~/.local/state/joules/restore``.
@@ -25,6 +32,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -35,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -132,6 +141,55 @@ def _write_json_atomic(path: Path, data: object) -> None:
         raise
 
 
+def _journal_age(data: dict[str, Any], path: Path) -> tuple[float, int]:
+    """A key that sorts journals from the oldest to the newest.
+
+    When the journal was created (``created``; older journals only have ``written``, the
+    time of their last write, else the file's time), then when its process started.
+    """
+    created = data.get("created")
+    if isinstance(created, int | float) and not isinstance(created, bool):
+        when = float(created)
+    else:
+        try:
+            when = datetime.strptime(str(data.get("written")), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        except ValueError:
+            try:
+                when = path.stat().st_mtime
+            except OSError:
+                when = 0.0
+    start = data.get("process_start_time")
+    return when, start if isinstance(start, int) and not isinstance(start, bool) else 0
+
+
+def _live_original_power_limit_w(directory: Path, uuid: str, exclude: Path | None) -> float | None:
+    """The original limit of GPU ``uuid`` in the oldest journal of a running process of this host.
+
+    ``None`` when no such journal (other than ``exclude``) records one.
+    """
+    try:
+        paths = [p for p in directory.glob("*.json") if p != exclude]
+    except OSError:
+        return None
+    host = _hostname()
+    best: tuple[tuple[float, int], float] | None = None
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            j_host, pid, start, entries = _parse_journal(data)
+        except (OSError, ValueError):
+            continue
+        if j_host != host or not process_alive(pid, start):
+            continue
+        for e in entries:
+            limit = e.get("power_limit_w")
+            if e["uuid"] == uuid and limit is not None:
+                age = _journal_age(data, path)
+                if best is None or age < best[0]:
+                    best = (age, float(limit))
+    return None if best is None else best[1]
+
+
 @dataclass(frozen=True)
 class Change:
     """What a :class:`RestoreGuard` changed on one GPU, and what it will put back.
@@ -140,8 +198,9 @@ class Change:
         uuid: The GPU's UUID.
         index: The GPU's index in this process.
         name: The GPU's model name.
-        original_power_limit_w: The limit the GPU had before the guard first changed it, or
-            ``None`` when the guard has not changed the limit.
+        original_power_limit_w: The limit the GPU had before the guard first changed it (or
+            before a running guard that had changed it already did), or ``None`` when the
+            guard has not changed the limit.
         sm_clock_locked: Whether the guard locked the SM clock (restore resets it).
 
     """
@@ -187,11 +246,19 @@ class RestoreGuard:
     a default SIGTERM is re-sent so the process still dies "killed by SIGTERM". Several
     guards in one process chain the same way.
 
-    Signal handlers can only be installed from the main thread; when the first change is
-    made from another thread, or with ``handle_signals=False``, none are installed, and
+    Signal handlers can only be installed from the main thread. When the changes will be
+    made from another thread, call :meth:`install_signal_handlers` from the main thread
+    first. Otherwise (or with ``handle_signals=False``) none are installed, and
     :meth:`restore`, the ``with`` block, an exception reaching the top and interpreter exit
     still restore (a signal with Python's default handling then skips them). The hooks act
     only in the process that made the changes, not in children forked from it. Thread-safe.
+
+    The original limit of a GPU is the one it has at the guard's first change, unless a
+    running process of this host (this one included) has a journal in the same directory
+    that records an original for that GPU: then it is that one (the oldest journal's). So
+    when several guards lower one GPU, whichever restores last puts back the limit it had
+    before all of them (one that restores earlier puts it back too, while the others may
+    still want it lowered).
 
     Args:
         gpus: The GPUs this guard may change; stale journals are recovered for these.
@@ -221,11 +288,13 @@ class RestoreGuard:
         self._id = secrets.token_hex(4)
         self._owner_pid: int | None = None
         self._journal: Path | None = None
+        self._created: float | None = None
         self._journal_warned = False
         self._atexit_registered = False
         self._prev_handlers: dict[int, _Handler] = {}
+        self._handlers_held = 0
         self._busy_thread: int | None = None
-        self._pending_signals: list[tuple[int, FrameType | None]] = []
+        self._pending_signals: list[tuple[int, FrameType | None, _Handler]] = []
         self.recovered: list[str] = []
         if recover_stale:
             for line in recover_report(self.gpus, self.journal_dir):
@@ -251,8 +320,38 @@ class RestoreGuard:
         with self._lock:
             return self._journal
 
+    def install_signal_handlers(self) -> bool:
+        """Install the SIGINT/SIGTERM handlers now, before any change, and keep them.
+
+        Call it from the main thread when the changes will be made from other threads (which
+        cannot install signal handlers). The handlers then stay while nothing is changed
+        (passing signals on), until as many calls of :meth:`uninstall_signal_handlers`.
+
+        Returns:
+            Whether the handlers are in place: ``False`` with ``handle_signals=False`` or
+            outside the main thread, where nothing is done.
+        """
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return False
+        with self._critical():
+            if self._owner_pid is None:
+                self._owner_pid = os.getpid()
+            self._handlers_held += 1
+            self._install_signal_handlers()
+            return bool(self._prev_handlers)
+
+    def uninstall_signal_handlers(self) -> None:
+        """Undo one :meth:`install_signal_handlers`; the handlers go once nothing is left to restore."""
+        with self._critical():
+            self._handlers_held = max(0, self._handlers_held - 1)
+            if not self._entries:
+                self._unregister()
+
     def set_power_limit_w(self, gpu: GPU, watts: float) -> None:
         """Set ``gpu``'s power limit, remembering (and journaling) the limit it had first.
+
+        The limit it had first is its current one, or the original that the journal of a
+        running process that changed it already records (see the class description).
 
         Raises:
             ValueError: ``watts`` is outside the GPU's range (nothing is changed).
@@ -263,12 +362,12 @@ class RestoreGuard:
             entry = self._entries.get(gpu.uuid)
             recorded = entry is None or entry.original_power_limit_w is None
             if recorded:
-                original = gpu.power_limit_w()
+                original = self._original_power_limit_w(gpu)
                 if entry is None:
                     entry = self._entries[gpu.uuid] = _Entry(gpu)
                 entry.original_power_limit_w = original
-                self._register()
                 self._write_journal()
+            self._register()  # also again after a restore that left something to restore
             assert entry is not None
             try:
                 gpu.set_power_limit_w(watts)
@@ -292,8 +391,8 @@ class RestoreGuard:
                 if entry is None:
                     entry = self._entries[gpu.uuid] = _Entry(gpu)
                 entry.sm_clock_locked = True
-                self._register()
                 self._write_journal()
+            self._register()
             assert entry is not None
             try:
                 gpu.lock_sm_clock(min_mhz, max_mhz)
@@ -309,8 +408,10 @@ class RestoreGuard:
         Resets the clocks the guard locked and sets the original power limits. An error on
         one GPU does not stop the others: each is logged as a warning and returned, and
         what could not be restored stays in the journal (for ``joules restore`` later) and
-        in the guard (a later call tries again). Then the journal file is removed and the
-        ``atexit`` hook and signal handlers are uninstalled. Nothing is raised.
+        in the guard (a later call tries again; the ``atexit`` hook and signal handlers stay
+        for it). Once nothing is left, the journal file is removed and the ``atexit`` hook
+        and signal handlers are uninstalled (the signal handlers stay while
+        :meth:`install_signal_handlers` holds them). Nothing is raised.
 
         Returns:
             One line per error; empty when everything was restored.
@@ -337,7 +438,8 @@ class RestoreGuard:
                 if entry.empty():
                     del self._entries[uuid]
             self._write_journal()
-            self._unregister()
+            if not self._entries:
+                self._unregister()
         for line in errors:
             logger.warning("joules: %s", line)
         return errors
@@ -355,18 +457,35 @@ class RestoreGuard:
 
         Handling it in the middle would restore a GPU while its change is half made.
         """
-        pending: list[tuple[int, FrameType | None]] = []
-        with self._lock:
-            outermost = self._busy_thread is None
-            self._busy_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                if outermost:
-                    self._busy_thread = None
-                    pending, self._pending_signals = self._pending_signals, []
-        for signum, frame in pending:
-            self._on_signal(signum, frame)
+        pending: list[tuple[int, FrameType | None, _Handler]] = []
+        try:
+            with self._lock:
+                outermost = self._busy_thread is None
+                self._busy_thread = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    if outermost:
+                        self._busy_thread = None
+                        pending, self._pending_signals = self._pending_signals, []
+        finally:  # also when the change failed
+            for signum, frame, prev in pending:
+                self._on_signal(signum, frame, prev)
+
+    def _original_power_limit_w(self, gpu: GPU) -> float:
+        """The limit to put back on ``gpu``: its current one, or a running guard's original.
+
+        The current limit is read first: a guard journals before it changes a GPU, so a
+        change seen here already has its journal.
+        """
+        current = gpu.power_limit_w()
+        original = _live_original_power_limit_w(self.journal_dir, gpu.uuid, self._journal)
+        if original is None or original == current:
+            return current
+        logger.info("joules: GPU %d (%s) is at %g W, lowered by a running joules job whose journal "
+                    "records %g W before; restoring puts back %g W", gpu.index, gpu.uuid, current,
+                    original, original)
+        return original
 
     def _forget(self, entry: _Entry) -> None:
         """Drop an entry with nothing left to restore, and the journal and hooks if none is left."""
@@ -387,11 +506,13 @@ class RestoreGuard:
             if self._journal is None:
                 host = re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
                 self._journal = self.journal_dir / f"{host}-{os.getpid()}-{self._id}.json"
+                self._created = time.time()
             _write_json_atomic(self._journal, {
                 "format": JOURNAL_FORMAT,
                 "host": _hostname(),
                 "pid": os.getpid(),
                 "process_start_time": process_start_time(os.getpid()),
+                "created": self._created,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "gpus": [e.journal() for e in self._entries.values()],
             })
@@ -412,6 +533,9 @@ class RestoreGuard:
             self._atexit_registered = True
         if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             return
+        self._install_signal_handlers()
+
+    def _install_signal_handlers(self) -> None:
         for signum in _SIGNALS:
             if signum in self._prev_handlers:
                 # Installed and not put back: on top, or under a later guard's handler that
@@ -428,6 +552,8 @@ class RestoreGuard:
         if self._atexit_registered:
             atexit.unregister(self._at_exit)
             self._atexit_registered = False
+        if self._handlers_held:
+            return
         for signum, prev in list(self._prev_handlers.items()):
             try:
                 if signal.getsignal(signum) == self._handle_signal:
@@ -442,13 +568,15 @@ class RestoreGuard:
             self.restore()
 
     def _handle_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._busy_thread == threading.get_ident():
-            self._pending_signals.append((signum, frame))
-            return
-        self._on_signal(signum, frame)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # The handler to pass the signal on to is taken now: a restore in progress (whose
+        # end handles a deferred signal) uninstalls ours and forgets it.
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        if self._busy_thread == threading.get_ident():
+            self._pending_signals.append((signum, frame, prev))
+            return
+        self._on_signal(signum, frame, prev)
+
+    def _on_signal(self, signum: int, frame: FrameType | None, prev: _Handler) -> None:
         if os.getpid() == self._owner_pid:
             self.restore()
         if callable(prev):
@@ -590,6 +718,14 @@ def _recover_journal(path: Path, by_uuid: dict[str, GPU], host: str) -> list[Rec
     return lines
 
 
+def _path_age(path: Path) -> tuple[float, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return math.inf, 0  # unreadable: reported whatever its place
+    return _journal_age(data, path) if isinstance(data, dict) else (math.inf, 0)
+
+
 def recover_report(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -> list[RecoveryLine]:
     """Like :func:`recover`, with each line's kind (see :class:`RecoveryLine`)."""
     directory = Path(journal_dir) if journal_dir is not None else default_journal_dir()
@@ -599,7 +735,9 @@ def recover_report(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -
     host = _hostname()
     lines: list[RecoveryLine] = []
     with _directory_lock(directory):
-        for path in sorted(directory.glob("*.json")):
+        # The newest first: where several journals name one GPU, the oldest one's original
+        # (the limit it had before any of those processes changed it) is applied last.
+        for path in sorted(sorted(directory.glob("*.json")), key=_path_age, reverse=True):
             lines += _recover_journal(path, by_uuid, host)
     return lines
 
@@ -610,9 +748,11 @@ def recover(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -> list[
     For each journal written on this host by a process that no longer runs (its pid is
     gone, a zombie, or now belongs to a process started at another time), the GPUs among
     ``gpus`` it names (matched by UUID) get their clocks reset and their original power
-    limits back. A journal is deleted once every GPU in it was handled; GPUs not among
-    ``gpus`` (another container, other visible devices) stay in it. Journals of running
-    processes and of other hosts are left alone; unreadable ones are reported and kept.
+    limits back; journals are handled from the newest to the oldest, so where several name
+    one GPU, the oldest one's original limit is the one it keeps. A journal is deleted once
+    every GPU in it was handled; GPUs not among ``gpus`` (another container, other visible
+    devices) stay in it. Journals of running processes and of other hosts are left alone;
+    unreadable ones are reported and kept.
 
     Args:
         gpus: The GPUs that may be restored.

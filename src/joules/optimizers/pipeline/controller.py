@@ -20,7 +20,9 @@ made for another pipeline.
 Every lock goes through a :class:`~joules.devices.restore.RestoreGuard`, which resets the
 clock when the job ends (:meth:`FrequencyController.restore`, leaving the ``with`` block, an
 exception, interpreter exit, SIGINT/SIGTERM), and journals it first so that after a SIGKILL
-the next guard or ``joules restore`` resets it.
+the next guard or ``joules restore`` resets it. With ``asynchronous=True`` the locks are made
+by a background thread, which cannot install signal handlers: the controller has the guard
+install them when it is created (in the main thread) and keeps them until it is closed.
 """
 
 from __future__ import annotations
@@ -230,7 +232,10 @@ class FrequencyController:
             wanted, and the thread applies the latest one (a clock superseded before it was
             applied is dropped, counted in ``stats.locks_dropped``). An error there (e.g. no
             permission) is raised by the next call. :meth:`flush` waits until the clock wanted
-            is in place; :meth:`restore` stops the thread first.
+            is in place; :meth:`restore` stops the thread first. The guard's SIGINT/SIGTERM
+            handlers are installed when the controller is created (it must be created in the
+            main thread for that), and kept until :meth:`close` or the end of the ``with``
+            block.
 
     Raises:
         PlanError: ``instructions`` is empty or malformed.
@@ -274,6 +279,10 @@ class FrequencyController:
         self._locked_mhz: float | None = None
         self._load(instructions)
         self.guard = clock_guard(gpu, guard, dry_run, journal_dir, handle_signals, recover_stale)
+        # The first lock is made in the background thread, where no signal handler can be
+        # installed: install the guard's now (when this is the main thread).
+        self._holds_handlers = (self.asynchronous and self.guard is not None
+                                and self.guard.install_signal_handlers())
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -544,14 +553,22 @@ class FrequencyController:
         return errors
 
     def close(self) -> list[str]:
-        """Same as :meth:`restore`."""
-        return self.restore()
+        """:meth:`restore`, and let the guard drop the signal handlers installed for ``asynchronous``.
+
+        Returns:
+            The guard's error lines, as :meth:`restore`.
+        """
+        errors = self.restore()
+        if self._holds_handlers and self.guard is not None:
+            self._holds_handlers = False
+            self.guard.uninstall_signal_handlers()
+        return errors
 
     def __enter__(self) -> FrequencyController:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.restore()
+        self.close()
 
     def summary(self) -> dict[str, object]:
         """Stats and the current lock, JSON-friendly."""

@@ -17,10 +17,12 @@ Driven by training progress through callbacks (``on_train_begin``, ``on_epoch_be
 For every limit the search proposes, the optimizer sets it on every GPU it controls, lets
 ``warmup_steps`` steps pass, then measures ``profile_steps`` steps. An epoch end in the middle
 of a profile pauses the measurement (evaluation and data-loader restarts are not training
-steps); the next epoch warms up again and the measurement resumes where it stopped. When the
-search is done, the chosen limit is applied for the rest of training, and the limits the GPUs
-had before come back at the end (``on_train_end``, leaving the ``with`` block, an exception,
-Ctrl-C, SIGTERM, interpreter exit; see :class:`~joules.devices.restore.RestoreGuard`).
+steps); the next epoch warms up again (``warmup_steps``, but fewer than half the steps of the
+epoch before, so that short epochs are measured too) and the measurement resumes where it
+stopped. When the search is done, the chosen limit is applied for the rest of training, and
+the limits the GPUs had before come back at the end (``on_train_end``, leaving the ``with``
+block, an exception, Ctrl-C, SIGTERM, interpreter exit; see
+:class:`~joules.devices.restore.RestoreGuard`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ log = logging.getLogger("joules.power_limit")
 
 SearchFactory = Callable[[Sequence[float], Selector], Search]
 _WINDOW = "joules.power_limit"
+_IDLE_EPOCHS = 3  # epochs in a row that measure no step before profiling is given up
 _PERMISSION_FIX = (
     "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
     "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
@@ -70,7 +73,9 @@ class _Accumulator:
     time_s: float = 0.0
     energy_j: float = 0.0
     segments: int = 0
-    warm: int = 0
+    warm: int = 0  # steps warmed up since the limit was set or the last pause
+    warm_target: int = 0  # steps to warm up before measuring
+    limit_warm: int = 0  # steps warmed up since the limit was set, pauses or not
     segment_steps: int = 0
 
 
@@ -95,6 +100,8 @@ class PowerLimitOptimizer:
         search: ``"adaptive"`` (profiles few limits), ``"sweep"`` (every limit), or a
             callable ``(limits, selector) -> Search``.
         warmup_steps: Steps after a limit change (or an epoch start) that are not measured.
+            After an epoch end, fewer than half the steps of the epoch before warm up when
+            that is less (with a warning), so that short epochs are still measured.
         profile_steps: Steps measured at each limit.
         step_w: Distance between candidate limits, from the highest allowed one down.
         limits_w: Candidate limits instead of the ``step_w`` grid; each must be allowed on
@@ -196,6 +203,11 @@ class PowerLimitOptimizer:
         self._applied: float | None = None
         self._dist: Any = None
         self._model = self.gpus[0].name
+        self._steps_since_pause = 0
+        self._measured_since_pause = 0
+        self._last_epoch_steps: int | None = None
+        self._idle_epochs = 0
+        self._short_epochs_warned = False
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -229,6 +241,8 @@ class PowerLimitOptimizer:
                 self._apply(self.chosen_limit_w)
             elif self._acc is not None:
                 self._apply(self._acc.limit_w)
+                self._acc.limit_warm = 0  # the limit was put back meanwhile: a full warm-up
+                self._steps_since_pause = self._measured_since_pause = 0
                 self.pause()  # warm up again before measuring the rest of this limit
             return
         if self.state is not State.READY:
@@ -264,12 +278,14 @@ class PowerLimitOptimizer:
         """A training step ended."""
         if self.state is State.READY or self._ended:
             self.on_train_begin()
+        self._steps_since_pause += 1
         acc = self._acc
         if acc is None:
             return
         if self.state is State.WARMUP:
             acc.warm += 1
-            if acc.warm >= self.warmup_steps:
+            acc.limit_warm += 1
+            if acc.warm >= acc.warm_target:
                 self.state = State.PROFILING
             return
         if self.state is State.PROFILING:
@@ -277,6 +293,7 @@ class PowerLimitOptimizer:
                 self._open()
                 return
             acc.segment_steps += 1
+            self._measured_since_pause += 1
             if acc.steps + acc.segment_steps >= self.profile_steps:
                 self._close()
                 self._complete()
@@ -289,15 +306,50 @@ class PowerLimitOptimizer:
         """Work that is not a training step follows (evaluation, a checkpoint): stop measuring.
 
         A profile in progress keeps the steps measured so far; the next steps warm up again
-        before the measurement resumes. Nothing happens outside profiling.
+        before the measurement resumes: ``warmup_steps`` (or what is left of the warm-up
+        after the limit change), but fewer than half the steps since the previous pause
+        when that is less, so that epochs not much longer than the warm-up are still
+        measured. When three epochs in a row measure no step (epochs of one step without
+        :meth:`on_step_begin`), profiling is given up and the limits the GPUs had are put
+        back for the rest of the run. Nothing happens outside profiling.
         """
+        steps, self._steps_since_pause = self._steps_since_pause, 0
+        measured, self._measured_since_pause = self._measured_since_pause, 0
         acc = self._acc
         if acc is None or self.state not in (State.WARMUP, State.PROFILING):
             return
+        if steps:
+            self._last_epoch_steps = steps
+            # Warmed up, yet no step measured (at this limit or one completed meanwhile).
+            idle = self.state is State.PROFILING and not measured
+            self._idle_epochs = self._idle_epochs + 1 if idle else 0
         if self._window_open:
             self._close()
+        if self._idle_epochs >= _IDLE_EPOCHS:
+            self._give_up(steps)
+            return
+        rewarm = self.warmup_steps
+        if self._last_epoch_steps is not None and (self._last_epoch_steps - 1) // 2 < rewarm:
+            rewarm = (self._last_epoch_steps - 1) // 2
+            if not self._short_epochs_warned:
+                self._short_epochs_warned = True
+                log.warning("epochs of %d steps are short for warmup_steps=%d and profile_steps=%d: "
+                            "after an epoch end only %d steps warm up before measuring resumes, and a "
+                            "profile spans several epochs", self._last_epoch_steps, self.warmup_steps,
+                            self.profile_steps, rewarm)
         acc.warm = 0
-        self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+        acc.warm_target = max(self.warmup_steps - acc.limit_warm, rewarm)
+        self.state = State.WARMUP if acc.warm_target > 0 else State.PROFILING
+
+    def _give_up(self, steps: int) -> None:
+        """Stop profiling for good and put back the limits the GPUs had (nothing can be measured)."""
+        assert self._acc is not None
+        log.warning("no step could be measured at %g W in %d epochs in a row (of %d step(s); call "
+                    "on_step_begin too to measure such short epochs): profiling is given up and the "
+                    "GPUs keep the limits they had", self._acc.limit_w, self._idle_epochs, steps)
+        self._acc = None
+        self.state = State.DONE
+        self.restore()
 
     def on_train_end(self) -> None:
         """Training ended: put back the limits the GPUs had before."""
@@ -363,7 +415,7 @@ class PowerLimitOptimizer:
         if limit is None:
             self._finish()
             return
-        self._acc = _Accumulator(limit)
+        self._acc = _Accumulator(limit, warm_target=self.warmup_steps)
         self._apply(limit)
         self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
 
