@@ -643,3 +643,91 @@ def test_a_trial_whose_answer_was_lost_is_not_created_twice():
     assert bso.trial is not None and bso.trial.trial_id == "t2"
 
 
+
+
+@pytest.mark.parametrize("failure", ["lost", "connect"])
+def test_an_epoch_report_that_failed_is_sent_again_unchanged_before_the_next(failure: str):
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    server.failures = [failure] * 6  # every attempt fails ("lost": the server did take epoch 1)
+    with pytest.raises(ServerError, match="could not report epoch 1"):
+        bso.on_evaluate(0.5)
+    assert bso.epoch == 0
+    sim.run(2.0, CF)  # the caller carries on training: the next epoch
+    assert bso.on_evaluate(0.6) is False
+    epochs = server.bodies("POST", "/epochs")
+    assert epochs[:6] == [epochs[0]] * 6 and epochs[6] == epochs[0]  # epoch 1 sent again, unchanged
+    assert [e["epoch"] for e in epochs[6:]] == [1, 2] and epochs[7]["metric"] == 0.6
+    assert epochs[0]["time_s"] == pytest.approx(1.0) and epochs[7]["time_s"] == pytest.approx(2.0)
+    assert [r.report.epoch for r in bso.epochs] == [1, 2]
+    assert server.trials["t1"]["epochs"] == 2
+    assert server.trials["t1"]["time_s"] == pytest.approx(3.0)  # no epoch's time is lost
+    bso.on_train_end()
+    assert server.trials["t1"]["outcome"] == "max_epochs"
+
+
+def test_an_epoch_report_that_failed_is_sent_before_the_end():
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    server.failures = ["connect"] * 6
+    with pytest.raises(ServerError):
+        bso.on_evaluate(0.5)
+    bso.on_train_end()
+    assert [e["epoch"] for e in server.bodies("POST", "/epochs")[6:]] == [1]
+    assert server.trials["t1"]["epochs"] == 1 and server.trials["t1"]["time_s"] == pytest.approx(1.0)
+    assert server.trials["t1"]["outcome"] == "max_epochs"  # not aborted: it had an epoch
+
+
+def test_when_the_resent_report_says_stop_the_next_epoch_is_not_reported(caplog):
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    server.failures = ["lost"] * 6  # the server took epoch 1 and said stop (reached)
+    with pytest.raises(ServerError):
+        bso.on_evaluate(0.95)
+    sim.run(1.0, CF)
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        assert bso.on_evaluate(0.97) is True
+    assert "the server said to stop after epoch 1" in caplog.text
+    assert [e["epoch"] for e in server.bodies("POST", "/epochs")] == [1] * 7  # no 409, no epoch 2
+    assert bso.stop_reason == "reached" and bso.epoch == 1
+    bso.on_train_end()
+    assert bso.trial is not None and bso.trial.outcome == "reached"
+
+
+def test_an_end_that_failed_is_sent_again_by_the_next_end():
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    bso.on_evaluate(0.5)
+    server.failures = ["connect"] * 6  # the server restarts for a while
+    with pytest.raises(ServerError, match=r"could not end the trial \(completed\)"):
+        bso.on_train_end()
+    assert server.trials["t1"]["status"] == "running"
+    bso.abort()  # e.g. the with block's exit, after the error: the same request again
+    assert server.bodies("POST", "/end") == [{"status": "completed"}] * 7
+    assert server.trials["t1"]["outcome"] == "max_epochs"
+    assert bso.trial is not None and bso.trial.status == "ended"
+    n = len(server.requests)
+    bso.on_train_end()
+    bso.abort()
+    assert len(server.requests) == n  # ended: nothing more to send
+
+
+def test_a_new_trial_first_ends_the_one_whose_end_failed():
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    server.failures = ["connect"] * 6
+    with pytest.raises(ServerError):
+        bso.abort()
+    assert bso.get_batch_size() == 64
+    assert server.trials["t1"]["outcome"] == "aborted" and server.trials["t2"]["status"] == "running"
+    assert bso.trial is not None and bso.trial.trial_id == "t2"
+
+
+def test_an_end_the_server_refuses_is_not_sent_again():
+    server, sim, bso = started_trial()
+    server.failures = [404]
+    with pytest.raises(ServerError, match="HTTP 404"):
+        bso.on_train_end()
+    n = len(server.requests)
+    bso.on_train_end()
+    assert len(server.requests) == n

@@ -29,6 +29,8 @@ def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--policy-factory", "nowhere_module:make"], "No module named 'nowhere_module'"),
     (["--log-level", "loud"], "bad --log-level"),
     (["--token", " "], "empty --token"),
+    (["--token", " tok"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
+    (["--token", "tok\n"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
     (["--port", "0"], "--port"),
 ])
 def test_bad_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

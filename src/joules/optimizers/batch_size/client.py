@@ -235,8 +235,13 @@ class BatchSizeOptimizer:
         self.power_limit_optimizer: PowerLimitOptimizer | None = None
         """The current trial's power-limit optimizer (``None`` when disabled)."""
         self._began = False
-        self._ended = False
+        self._ended = False  # training of the current trial is over (its end may not be sent yet)
         self._window_open = False
+        # Epochs measured but not yet taken by the server (a report that failed), oldest first:
+        # each is sent again, with the same body, before anything else about the trial.
+        self._unsent: list[EpochReport] = []
+        # The status of an end request that failed: the next end (or new trial) sends it again.
+        self._end_pending: Literal["completed", "aborted"] | None = None
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -254,7 +259,8 @@ class BatchSizeOptimizer:
         """The batch size to train with: registers the job and starts a trial (once per trial).
 
         Calling it again returns the same batch size until the trial ends; after
-        :meth:`on_train_end` or :meth:`abort`, it starts a new trial.
+        :meth:`on_train_end` or :meth:`abort`, it starts a new trial (ending the previous one
+        first if telling the server failed then).
 
         Raises:
             ServerError: The server could not be reached, refused the token, or has a job of
@@ -262,6 +268,8 @@ class BatchSizeOptimizer:
         """
         if self.trial is not None and not self._ended:
             return self.trial.batch_size
+        if self._end_pending is not None:
+            self._send_end()
         if self.job is None:
             self.job = self._register()
         # A retry whose first attempt reached the server gets that trial back, not a second one.
@@ -270,6 +278,7 @@ class BatchSizeOptimizer:
                            what="create a trial")
         self.trial = trial
         self.epochs = []
+        self._unsent = []
         self.stop_reason = None
         self.power_limit_optimizer = None
         self._began = self._ended = False
@@ -341,6 +350,11 @@ class BatchSizeOptimizer:
         or the previous :meth:`on_evaluate` to now, evaluation included: the trial's cost is
         its whole time and energy to accuracy.
 
+        A report that fails after every retry raises, but the epoch is kept: the next call (or
+        :meth:`on_train_end`) sends it again, unchanged, before its own epoch, so no epoch's
+        time and energy are lost (the server takes a repeated report once). If that earlier
+        report's answer is to stop, this epoch is not reported and the answer is True.
+
         Raises:
             JoulesError: Training did not begin (no :meth:`on_train_begin` or step callbacks).
             TypeError: ``metric`` is not a number (a string, ``None``...).
@@ -360,32 +374,34 @@ class BatchSizeOptimizer:
         m = self.monitor.end_window(name)
         self.monitor.begin_window(name)  # the next epoch starts now: the report's own time counts
         energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self.monitor.gpus)
-        report = EpochReport(epoch=len(self.epochs) + 1, time_s=m.elapsed_s, energy_j=energy, metric=metric)
-        answer = self._report(report)
-        self.epochs.append(EpochRecord(report, answer))
-        log.info("epoch %d: %.4g s, %.4g J, metric %.6g; cost so far %.4g", report.epoch, report.time_s,
-                 report.energy_j, metric, answer.cost)
-        if answer.stop:
-            self.stop_reason = answer.reason
-            why = _STOP_REASONS.get(answer.reason or "", answer.reason or "the server said so")
-            log.info("job %r trial %s (batch size %d): stop after epoch %d: %s (cost %.4g)",
-                     self.spec.name, self.trial.trial_id if self.trial else "?", self.batch_size or 0,
-                     report.epoch, why, answer.cost)
-        return answer.stop
+        epoch = len(self.epochs) + len(self._unsent) + 1
+        self._unsent.append(EpochReport(epoch=epoch, time_s=m.elapsed_s, energy_j=energy, metric=metric))
+        return self._send_reports()
 
     def on_train_end(self) -> None:
-        """Training ended: end the trial (``completed``) and restore the GPUs' power limits."""
-        if self.trial is None or self._ended:
+        """Training ended: end the trial (``completed``) and restore the GPUs' power limits.
+
+        Epoch reports that failed are sent first. If the server cannot be told, the GPUs'
+        limits are restored anyway, and the next :meth:`on_train_end`, :meth:`abort` or
+        :meth:`get_batch_size` tries again (with the same request).
+
+        Raises:
+            ServerError: The server could not be told.
+        """
+        if self.trial is None or (self._ended and self._end_pending is None):
             return
         self._finish("completed")
 
     def abort(self) -> None:
         """End the trial as ``aborted`` (it crashed or was cancelled; the server learns nothing).
 
+        If the server cannot be told, the next :meth:`on_train_end`, :meth:`abort` or
+        :meth:`get_batch_size` tries again (with the same request).
+
         Raises:
             ServerError: The server could not be told (the GPUs' limits are restored anyway).
         """
-        if self.trial is None or self._ended:
+        if self.trial is None or (self._ended and self._end_pending is None):
             return
         self._finish("aborted")
 
@@ -416,7 +432,11 @@ class BatchSizeOptimizer:
 
     def _finish(self, status: Literal["completed", "aborted"]) -> None:
         assert self.trial is not None
+        if self._ended:  # an end that failed: send the same request again
+            self._send_end()
+            return
         self._ended = True
+        self._end_pending = status
         if self._window_open:
             try:
                 self.monitor.cancel_window(self._window_name())
@@ -428,14 +448,68 @@ class BatchSizeOptimizer:
                 self.power_limit_optimizer.on_train_end()
         finally:
             self._began = False
-            trial = self.trial
+            self._send_end()
+
+    def _send_end(self) -> None:
+        """Send the pending end of the trial (after its unsent epoch reports, if it completed)."""
+        assert self.trial is not None and self._end_pending is not None
+        status = self._end_pending
+        trial = self.trial
+        if status == "completed" and self._unsent:
+            try:
+                self._send_reports()
+            except ServerError as e:
+                if _retryable(e):
+                    raise
+                log.warning("ending the trial without the epoch(s) the server refused: %s", e)
+        try:
             out = self._call("POST", f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", TrialOut,
                              TrialEnd(status=status), what=f"end the trial ({status})")
-            self.trial = out
-            if out.outcome is not None:
-                log.info("job %r trial %s ended: %s after %d epoch(s), %.4g s, %.4g J, cost %.4g",
-                         self.spec.name, out.trial_id, out.outcome, out.epochs, out.time_s, out.energy_j,
-                         out.cost)
+        except ServerError as e:
+            if not _retryable(e):  # e.g. 404: asking again cannot help
+                self._end_pending = None
+                self._unsent = []
+            raise
+        self._end_pending = None
+        self._unsent = []
+        self.trial = out
+        if out.outcome is not None:
+            log.info("job %r trial %s ended: %s after %d epoch(s), %.4g s, %.4g J, cost %.4g",
+                     self.spec.name, out.trial_id, out.outcome, out.epochs, out.time_s, out.energy_j,
+                     out.cost)
+
+    def _send_reports(self) -> bool:
+        """Send the unsent epoch reports, oldest first; True: the server said to stop.
+
+        A report that fails for a reason that may pass (no answer, 5xx, 429) stays unsent, to be
+        sent again unchanged; one the server refuses (another 4xx) is dropped, as are the
+        reports after one whose answer is to stop.
+        """
+        stop = False
+        while self._unsent and not stop:
+            report = self._unsent[0]
+            try:
+                answer = self._report(report)
+            except ServerError as e:
+                if not _retryable(e):
+                    self._unsent = []
+                raise
+            self._unsent.pop(0)
+            self.epochs.append(EpochRecord(report, answer))
+            log.info("epoch %d: %.4g s, %.4g J, metric %.6g; cost so far %.4g", report.epoch, report.time_s,
+                     report.energy_j, report.metric, answer.cost)
+            stop = answer.stop
+            if stop:
+                self.stop_reason = answer.reason
+                why = _STOP_REASONS.get(answer.reason or "", answer.reason or "the server said so")
+                log.info("job %r trial %s (batch size %d): stop after epoch %d: %s (cost %.4g)",
+                         self.spec.name, self.trial.trial_id if self.trial else "?", self.batch_size or 0,
+                         report.epoch, why, answer.cost)
+        if stop and self._unsent:
+            log.warning("the server said to stop after epoch %d: the %d epoch(s) trained since are not "
+                        "reported; stop training", self.epochs[-1].report.epoch, len(self._unsent))
+            self._unsent = []
+        return stop
 
     def _make_power_limit_optimizer(self, batch_size: int) -> PowerLimitOptimizer | None:
         if self._power_limit is False:
@@ -532,6 +606,11 @@ class BatchSizeOptimizer:
         if retry_after is not None:
             delay = max(delay, min(retry_after, _MAX_RETRY_AFTER_S))
         return delay
+
+
+def _retryable(error: ServerError) -> bool:
+    """Whether a request that failed after every retry may succeed later (no answer, 5xx, 429)."""
+    return error.status_code is None or error.status_code in _RETRY_STATUS
 
 
 def _check_metric(metric: object) -> None:

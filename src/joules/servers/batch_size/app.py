@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import importlib
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -18,7 +19,9 @@ from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -78,6 +81,7 @@ JOB_NOT_FOUND = {404: _error("Unknown job.")}
 TRIAL_NOT_FOUND = {404: _error("Unknown job or trial.")}
 
 MAX_TRIALS_PAGE = 1000  # most trials one GET /jobs/{job_id}/trials returns (its default limit)
+MAX_TRIALS_OFFSET = 2**31 - 1  # a job never has that many trials (the database's limit is 2**63 - 1)
 
 
 class TrialPage(BaseModel):
@@ -85,7 +89,7 @@ class TrialPage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    offset: int = Field(0, ge=0, description="Skip this many of the oldest trials.")
+    offset: int = Field(0, ge=0, le=MAX_TRIALS_OFFSET, description="Skip this many of the oldest trials.")
     limit: int = Field(MAX_TRIALS_PAGE, ge=1, le=MAX_TRIALS_PAGE, description="At most this many trials.")
 
 
@@ -179,6 +183,17 @@ class _Unauthorized(Exception):
     pass
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by its string (``"nan"``, ``"inf"``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def create_app(
     database_url: str,
     token: str | None = None,
@@ -198,9 +213,13 @@ def create_app(
             start at once).
 
     Raises:
+        ValueError: A token that is empty or starts or ends with whitespace (no client could
+            send it: HTTP strips the whitespace around a header's value).
         JoulesError: Bad URL or missing driver.
         sqlalchemy.exc.OperationalError: The database cannot be reached.
     """
+    if token is not None and (not token or token != token.strip()):
+        raise ValueError("the token must not be empty nor start or end with whitespace")
     database = dbm.Database(database_url)
     if migrate:
         dbm.upgrade(database)
@@ -235,6 +254,12 @@ def create_app(
             return JSONResponse(status_code=422, content={"detail": [
                 {"type": "value_error", "loc": list(exc.loc), "msg": str(exc), "input": None}]})
         return JSONResponse(status_code=exc.status_code, content={"detail": str(exc)})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler fails (500) on a NaN or infinite input (JSON has no such
+        # numbers): those are written as strings instead.
+        return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

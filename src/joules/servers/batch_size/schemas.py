@@ -32,6 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"
 
+# Upper bounds of the values the server stores and computes with: a batch size must fit the
+# database's 32-bit integer column; the others keep every total, cost and time computed from
+# them finite (a trial's cost is at most about 1e24 after 1,000,000 epochs at these bounds).
+MAX_BATCH_SIZE = 2**31 - 1
+MAX_POWER_W = 1e9  # 1 GW
+MAX_EPOCH_TIME_S = 1e9  # about 32 years
+MAX_EPOCH_ENERGY_J = 1e18  # 1 GW for about 32 years
+MAX_STALE_AFTER_S = 10 * 365 * 86400.0  # 10 years
+MAX_PRIOR = 1e100  # of |prior_mean| and of prior_precision
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -41,26 +51,28 @@ class JobCreate(_Model):
     """A recurring job and how to choose its batch size."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name of the recurring job.")
-    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+    batch_sizes: list[Annotated[int, Field(gt=0, le=MAX_BATCH_SIZE)]] = Field(
         min_length=1, max_length=256, json_schema_extra={"uniqueItems": True},
-        description="Candidate batch sizes (distinct, positive).")
-    default_batch_size: int = Field(gt=0, description="Where exploration starts; one of batch_sizes.")
+        description="Candidate batch sizes (distinct, positive, at most 2**31 - 1).")
+    default_batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE,
+                                    description="Where exploration starts; one of batch_sizes.")
     target_metric: float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
     higher_is_better: bool = Field(True, description="False for metrics like WER.")
     max_epochs: int = Field(gt=0, le=1_000_000, description="Epochs after which a trial fails.")
-    max_power_w: float = Field(gt=0, allow_inf_nan=False, description="Max power of the job's GPUs, W.")
+    max_power_w: float = Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False,
+                               description="Max power of the job's GPUs, W (at most 1e9).")
     eta: float = Field(0.5, ge=0.0, le=1.0, description="Weight of energy in the cost.")
     beta: float = Field(2.0, gt=1.0, le=1000.0, allow_inf_nan=False, description="Early-stop factor.")
     window_size: int = Field(0, ge=0, le=100_000, description="Observations kept per batch size; 0: all.")
-    prior_mean: float | None = Field(None, allow_inf_nan=False)
-    prior_precision: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    prior_mean: float | None = Field(None, ge=-MAX_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)
+    prior_precision: float = Field(0.0, ge=0.0, le=MAX_PRIOR, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     policy: Literal["joules", "nsdi23"] = "joules"
     stale_after_s: float = Field(
-        86400.0, ge=1.0, allow_inf_nan=False,
+        86400.0, ge=1.0, le=MAX_STALE_AFTER_S, allow_inf_nan=False,
         description="A running trial with no epoch report (nor creation) for this long, s, is ended as "
-                    "aborted, freeing its batch size for the policy.")
-    knobs: dict[str, str | float | int | bool] = Field(
+                    "aborted, freeing its batch size for the policy (at most 10 years).")
+    knobs: dict[str, str | Annotated[float, Field(allow_inf_nan=False)] | int | bool] = Field(
         default_factory=dict, max_length=64, description="Other settings of the job, kept for reference.")
 
     @field_validator("batch_sizes")
@@ -141,8 +153,8 @@ class EpochReport(_Model):
     """One epoch of a trial: its time, energy, and validation metric after it."""
 
     epoch: int = Field(ge=1, le=1_000_000)
-    time_s: float = Field(ge=0.0, allow_inf_nan=False)
-    energy_j: float = Field(ge=0.0, allow_inf_nan=False)
+    time_s: float = Field(ge=0.0, le=MAX_EPOCH_TIME_S, allow_inf_nan=False)
+    energy_j: float = Field(ge=0.0, le=MAX_EPOCH_ENERGY_J, allow_inf_nan=False)
     metric: float = Field(allow_inf_nan=False)
 
 

@@ -23,8 +23,9 @@ How a trial ends (the answer to each epoch report, checked in this order):
 ``POST .../end`` with ``completed`` on a trial still running (no report told it to stop) ends
 it as ``early_stopped`` if its cost now exceeds the stop cost (other trials may have lowered
 it since its last report), else as ``max_epochs``: training ended without reaching the
-target, as if ``max_epochs`` had been its last epoch. A trial with no epoch reported ends as
-``aborted`` either way: there is nothing to learn from it. ``aborted`` ends a running trial
+target, as if ``max_epochs`` had been its last epoch. A trial with no epoch reported, or whose
+cost is not finite (stored before the schema had limits), ends as ``aborted`` either way:
+there is nothing to learn from it. ``aborted`` ends a running trial
 as ``aborted``; the policy sees every ending (:class:`TrialResult`). Ending a trial that has
 already ended changes nothing and returns it.
 
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Row, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
@@ -232,7 +234,11 @@ class BatchSizeService:
         """The spec and policy of job ``job_id``; ``load_spec`` gives its stored spec on a cache miss."""
         cached = self._jobs.get(job_id)
         if cached is None:
-            spec = JobCreate.model_validate(load_spec())
+            try:
+                spec = JobCreate.model_validate(load_spec())
+            except ValidationError as e:  # registered before a limit of the schema existed
+                raise ConflictError(f"job {job_id!r} was registered with a spec this server no longer "
+                                    f"accepts ({_fields(e)}); register it again under a new name") from e
             cached = (spec, self._policy(spec))
             with self._jobs_lock:
                 if len(self._jobs) > 4096:
@@ -498,6 +504,8 @@ class BatchSizeService:
             NotFoundError: Unknown job or trial.
             ConflictError: The epoch was reported before with other values; the trial has
                 ended; or the epoch is not the next one.
+            InvalidError: The trial's cost would not be finite (possible only for a trial
+                whose totals were stored before the schema's limits existed).
         """
         with self.db.transaction() as s:
             conn = s.connection()
@@ -524,6 +532,10 @@ class BatchSizeService:
             time_s = trial.time_s + report.time_s
             energy_j = trial.energy_j + report.energy_j
             cost = trial_cost(spec.eta, spec.max_power_w, energy_j, time_s)
+            if not math.isfinite(cost):  # finite within the schema's limits, but a trial stored before them
+                field = "energy_j" if math.isfinite(spec.max_power_w * time_s) else "time_s"
+                raise InvalidError(f"{field}: the trial's cost would not be finite "
+                                   f"(in all: time_s={time_s!r}, energy_j={energy_j!r})", loc=("body", field))
             bound = stop_bound(trial.job_stop_cost, trial.stop_cost)
             outcome: TrialOutcome | None = None
             if reached(spec, report.metric):
@@ -566,7 +578,8 @@ class BatchSizeService:
                 return self.trial_out(trial), False
             job = self._locked_job(s, job_id)
             spec = self._spec(job)
-            if request.status == "aborted" or trial.epochs == 0:
+            if request.status == "aborted" or trial.epochs == 0 or not math.isfinite(trial.cost):
+                # A cost that is not finite (stored before the schema's limits) teaches nothing.
                 outcome = TrialOutcome.ABORTED
             else:
                 bound = stop_bound(job.stop_cost, trial.stop_cost)
@@ -575,6 +588,11 @@ class BatchSizeService:
             self._end(job, spec, trial, outcome)
             s.flush()
             return self.trial_out(trial), True
+
+
+def _fields(error: ValidationError) -> str:
+    """The fields a validation error names, e.g. ``"stale_after_s, batch_sizes.1"``."""
+    return ", ".join(".".join(str(x) for x in e["loc"]) for e in error.errors())
 
 
 def _spec_difference(name: str, old: JobCreate, new: JobCreate) -> str:
