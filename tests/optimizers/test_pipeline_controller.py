@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from joules.optimizers.pipeline.controller import (
 from joules.optimizers.pipeline.frontier import Frontier, PlanError, evaluate
 from joules.optimizers.pipeline.profile import synthetic_profile
 from joules.optimizers.pipeline.schedule import build_dag
-from joules.testing.processes import start_ready
+from joules.testing.processes import sim_child_env, start_ready
 
 JOULES = str(Path(sys.executable).parent / "joules")
 
@@ -267,9 +266,7 @@ def _lock(state: Path) -> tuple[float, float] | None:
 
 @pytest.fixture
 def job(tmp_path: Path):
-    state = tmp_path / "sim-state.json"
-    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
-    env.pop("JOULES_SIM", None)
+    state, env = sim_child_env(tmp_path)
 
     def start() -> subprocess.Popen[str]:
         p = start_ready([sys.executable, "-c", CHILD, str(state), json.dumps(PLAN)], env, "locked 1200.0")
@@ -394,9 +391,7 @@ ASYNC_CHILD = textwrap.dedent("""
 
 
 def test_asynchronous_job_ending_without_restore_leaves_no_lock(tmp_path: Path) -> None:
-    state = tmp_path / "sim-state.json"
-    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
-    env.pop("JOULES_SIM", None)
+    state, env = sim_child_env(tmp_path)
     r = subprocess.run([sys.executable, "-c", ASYNC_CHILD, str(state), json.dumps(PLAN)], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -446,9 +441,7 @@ ASYNC_WAIT_CHILD = textwrap.dedent("""
 
 
 def test_asynchronous_job_stopped_by_sigterm_leaves_no_lock(tmp_path: Path) -> None:
-    state = tmp_path / "sim-state.json"
-    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
-    env.pop("JOULES_SIM", None)
+    state, env = sim_child_env(tmp_path)
     p = start_ready([sys.executable, "-c", ASYNC_WAIT_CHILD, str(state), json.dumps(PLAN)], env,
                     "locked (1200.0, 1200.0)")
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from joules.optimizers.pipeline.execution import StageWork, measure_blocking_pow
 from joules.optimizers.pipeline.profile import PipelineProfile, PipelineProfileError
 from joules.optimizers.pipeline.profiler import ProfilingError, StageProfiler, default_frequencies
 from joules.optimizers.pipeline.schedule import build_dag
-from joules.testing.processes import start_ready
+from joules.testing.processes import sim_child_env, start_ready
 
 WORK = [StageWork(0.030, 0.060), StageWork(0.034, 0.068)]
 GAP_S = 0.004  # each computation is followed by this long blocked on communication
@@ -251,9 +250,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_sigterm_mid_profile_resets_the_clock(tmp_path: Path) -> None:
-    state = tmp_path / "sim-state.json"
-    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
-    env.pop("JOULES_SIM", None)
+    state, env = sim_child_env(tmp_path)
     p = start_ready([sys.executable, "-c", CHILD, str(state)], env, "locked (1200.0, 1200.0)")
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=30)

@@ -7,12 +7,14 @@ they are ready.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import select
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -34,6 +36,19 @@ def start_ready(args: Sequence[str], env: Mapping[str, str], ready: str, timeout
         out, err = p.communicate(timeout=10)
         raise AssertionError(f"child failed: {line}{out}{err}")
     return p
+
+
+def sim_child_env(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A simulator state file under ``tmp_path`` and an environment for a child that uses it.
+
+    The child's simulated GPUs keep their settings in the state file, so the parent sees
+    what the child left; its journals go to ``tmp_path/joules-state``. ``JOULES_SIM`` is
+    removed (the child names its own simulated hardware).
+    """
+    state = tmp_path / "sim-state.json"
+    env = dict(os.environ, JOULES_SIM_STATE=str(state), JOULES_STATE_DIR=str(tmp_path / "joules-state"))
+    env.pop("JOULES_SIM", None)
+    return state, env
 
 
 def free_port() -> int:
