@@ -28,7 +28,7 @@ def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--db", "postgresql://postgres@127.0.0.1:{free}/test"], "cannot use database postgresql+psycopg://"),
     (["--policy-factory", "nowhere_module:make"], "No module named 'nowhere_module'"),
     (["--log-level", "loud"], "bad --log-level"),
-    (["--token", " "], "empty --token"),
+    (["--token", " "], "--token (or $JOULES_SERVER_TOKEN) is empty"),
     (["--token", " tok"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
     (["--token", "tok\n"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
     (["--port", "0"], "--port"),

@@ -214,7 +214,10 @@ def test_a_job_stored_with_a_spec_beyond_the_limits_is_409_naming_the_field(clie
         assert r.status_code == 409 and "stale_after_s" in r.json()["detail"], r.text
 
 
-@pytest.mark.parametrize("token", [" tok", "tok ", "tok\n", ""])
-def test_a_token_no_client_can_send_is_refused(tmp_path: Any, token: str) -> None:
-    with pytest.raises(ValueError, match="whitespace"):
+@pytest.mark.parametrize(("token", "problem"), [
+    (" tok", "starts or ends with whitespace"), ("tok ", "starts or ends with whitespace"),
+    ("tok\n", "starts or ends with whitespace"), ("", "is empty"), ("  ", "is empty"),
+])
+def test_a_token_no_client_can_send_is_refused(tmp_path: Any, token: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=f"the token {problem}"):
         create_app(f"sqlite:///{tmp_path / 'x.sqlite'}", token=token)

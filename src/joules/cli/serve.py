@@ -110,12 +110,8 @@ def register(app: typer.Typer) -> None:
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise JoulesError(f"bad --log-level {log_level!r}: "
                               "critical, error, warning, info, debug or trace")
-        if token is not None and not token.strip():
-            raise JoulesError("empty --token: give a token or leave the option out")
-        if token is not None and token != token.strip():
-            # HTTP strips the whitespace around a header's value: no client could send this token.
-            raise JoulesError(f"--token (or ${TOKEN_ENV}) starts or ends with whitespace, which no client "
-                              "can send: remove it")
+        if token is not None and (problem := appm.token_problem(token)) is not None:
+            raise JoulesError(f"--token (or ${TOKEN_ENV}) {problem}: fix it, or leave the option out")
         if db is None:
             db = default_database_url()
         factory = appm.load_policy_factory(policy_factory)  # fails early on a bad MODULE:NAME

@@ -22,11 +22,11 @@ class WindowLog:
     A CSV file has one column per device, so every row must have the same devices. Given
     ``columns`` (:meth:`csv_columns` of the devices measured), a CSV file that already has
     other columns is refused at once, before anything is measured, rather than losing the
-    cells that have no column.
+    cells that have no column (the order does not matter).
 
     Raises:
         ValueError: The suffix is neither ``.jsonl`` nor ``.csv``, or an existing CSV file's
-            header is not ``columns``.
+            header does not have exactly ``columns``.
     """
 
     def __init__(self, path: str | Path, columns: Sequence[str] | None = None) -> None:
@@ -40,7 +40,7 @@ class WindowLog:
         self._csv_columns: list[str] | None = None
         if columns is not None and self.path.suffix == ".csv":
             existing = self._existing_header()
-            if existing is not None and existing != list(columns):
+            if existing is not None and set(existing) != set(columns):
                 raise ValueError(self._mismatch(existing, list(columns)))
 
     @staticmethod
@@ -64,7 +64,7 @@ class WindowLog:
         what = "; ".join(part for part in (
             f"it lacks {', '.join(missing)}" if missing else "",
             f"it has {', '.join(extra)}, which these windows do not measure" if extra else "",
-        ) if part) or "its columns are in another order"
+        ) if part)
         return (f"window log {self.path} was written for other devices ({what}): use another "
                 f"file, or a .jsonl log, which takes any devices")
 

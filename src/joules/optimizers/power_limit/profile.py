@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,17 +80,23 @@ def _require(path: str | Path) -> Path:
     return path
 
 
-def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
+@contextmanager
+def _reader(path: Path) -> Iterator[csv.DictReader[str]]:
+    """A CSV reader of ``path``; a file that is not UTF-8 is a :class:`ProfileError` naming it."""
     # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
     with path.open(newline="", encoding="utf-8-sig") as f:
         try:
-            reader = csv.DictReader(f)
-            missing = [c for c in needed if c not in (reader.fieldnames or [])]
-            if missing:
-                raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
-            return list(reader)
+            yield csv.DictReader(f)
         except UnicodeDecodeError as e:
             raise ProfileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+
+
+def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
+    with _reader(path) as reader:
+        missing = [c for c in needed if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
+        return list(reader)
 
 
 def _float(path: Path, row: dict[str, str], column: str) -> float:
@@ -185,10 +192,7 @@ def profiles_in(paths: Sequence[str | Path]) -> list[Profile]:
     out: list[Profile] = []
     for p in paths:
         path = _require(p)
-        try:
-            with path.open(newline="", encoding="utf-8-sig") as f:
-                header = next(csv.reader(f), [])
-        except UnicodeDecodeError as e:
-            raise ProfileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+        with _reader(path) as reader:
+            header = reader.fieldnames or []
         out.extend(trace_profiles(path) if "power_limit" in header else [load_profile_csv(path)])
     return out

@@ -194,6 +194,15 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def token_problem(token: str) -> str | None:
+    """What makes ``token`` unusable as a bearer token, or ``None`` when it is fine."""
+    if not token.strip():
+        return "is empty"
+    if token != token.strip():  # HTTP strips the whitespace around a header's value
+        return "starts or ends with whitespace, which no client can send"
+    return None
+
+
 def create_app(
     database_url: str,
     token: str | None = None,
@@ -213,13 +222,13 @@ def create_app(
             start at once).
 
     Raises:
-        ValueError: A token that is empty or starts or ends with whitespace (no client could
-            send it: HTTP strips the whitespace around a header's value).
+        ValueError: A token that is empty or starts or ends with whitespace (see
+            :func:`token_problem`).
         JoulesError: Bad URL or missing driver.
         sqlalchemy.exc.OperationalError: The database cannot be reached.
     """
-    if token is not None and (not token or token != token.strip()):
-        raise ValueError("the token must not be empty nor start or end with whitespace")
+    if token is not None and (problem := token_problem(token)) is not None:
+        raise ValueError(f"the token {problem}")
     database = dbm.Database(database_url)
     if migrate:
         dbm.upgrade(database)
