@@ -923,6 +923,16 @@ def test_log_csv_refuses_a_file_written_for_other_devices(tmp_path: Path) -> Non
         measure_span(sim, mon, "two", 1.0)
     assert [r[0] for r in csv.reader(path.open(newline=""))] == ["name", "one", "two"]
 
+    # Columns in another order are the same devices: each cell goes under its own column.
+    both = tmp_path / "both.csv"
+    with EnergyMonitor([0, 1], devices=sim.devices(), log=both) as mon:
+        measure_span(sim, mon, "ab", 1.0)
+    with EnergyMonitor([1, 0], devices=sim.devices(), log=both) as mon:
+        m, _ = measure_span(sim, mon, "ba", 0.5)
+    rows = list(csv.DictReader(both.open(newline="")))
+    assert [r["name"] for r in rows] == ["ab", "ba"]
+    assert float(rows[1]["gpu1_energy_j"]) == pytest.approx(m.gpu[1].energy_j)
+
 
 def test_log_written_after_close_is_appended_and_closed(tmp_path: Path) -> None:
     path = tmp_path / "windows.jsonl"
