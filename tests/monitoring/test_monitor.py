@@ -959,3 +959,35 @@ def test_sampled_gpu_begin_edge_revision_keeps_to_the_sensor_period() -> None:
         m = mon.end_window("w")
         worst = max(worst, abs(m.gpu[0].energy_j - (sim.gpus[0].true_energy_j() - e0)))
     assert worst < 5.0  # up to 30 J when the first reading after the edge covered it all
+
+
+def test_an_edge_read_racing_the_sampler_keeps_value_and_update_time_together() -> None:
+    """A counter read that returns the value before an update, while the sampler (another
+    thread) reads the value after it, is a stale read: the edge takes the newer value, which
+    belongs with the update time the tracker reports (40 J too much on a 400 W GPU before)."""
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(1.0))
+    mon = EnergyMonitor(devices=sim.devices(), skip_reads=False)
+    sim.advance(2.03)
+    gpu = sim.gpus[0]
+    real = gpu.energy_j
+    armed = {"on": False}
+
+    def racing() -> float:
+        if not armed["on"]:
+            return real()
+        armed["on"] = False
+        value = real()  # the edge's read returns the value before the next update...
+        sim.advance(0.11)  # ...but is descheduled past that update,
+        mon.sampler._tick(sim.clock.now())  # while the sampler reads the newer value
+        return value
+
+    gpu.energy_j = racing  # type: ignore[method-assign]
+    armed["on"] = True
+    mon.begin_window("w")
+    before = gpu.true_energy_j()  # the edge is the end of its read
+    sim.advance(1.0)
+    m = mon.end_window("w")
+    truth = gpu.true_energy_j() - before
+    assert truth == pytest.approx(400.0, rel=0.01)
+    assert m.gpu[0].energy_j == pytest.approx(truth, abs=2.0)

@@ -375,6 +375,19 @@ def test_tracker_uses_read_brackets_so_a_descheduled_read_teaches_nothing_wrong(
     assert tr.locked
 
 
+def test_tracker_pairs_a_stale_concurrent_read_with_its_own_value() -> None:
+    tr = CounterTracker(0.1)
+    feed(tr, 0.0, 0.0, 2.0)  # phase 0 learned: updates at k * 0.1, value k
+    # Thread A's read begins at 2.095 (value 20, before the 2.1 update) and ends at 2.12;
+    # meanwhile thread B read 21 in [2.101, 2.11]. A's value is older than B's.
+    value, est, half = tr.observe(2.11, 21.0, t_before=2.101)
+    assert value == 21.0 and abs(est - 2.1) <= half + 1e-9
+    value, est, half = tr.observe(2.12, 20.0, t_before=2.095)
+    # The value returned belongs with the update time returned: the newer value and its update.
+    assert value == 21.0 and abs(est - 2.1) <= half + 1e-9 and half <= 0.01
+    assert tr.resets == 0
+
+
 def test_tracker_restarts_when_counter_resets() -> None:
     tr = CounterTracker(0.1)
     feed(tr, 0.0, 0.0, 1.0)

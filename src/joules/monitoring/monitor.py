@@ -209,7 +209,8 @@ class EnergyMonitor:
                 self.reads["counter"] += 1
                 c = gpu.energy_j()
                 t_before, t = t, now()
-                tick, half_width = tracker.observe(t, c, t_before)
+                # A stale read (the sampler read a newer value meanwhile) gets the newer value.
+                c, tick, half_width = tracker.observe(t, c, t_before)
             else:  # the counter provably still holds the value the sampler read last
                 self.reads["counter_skipped"] += 1
                 c, tick, half_width = known

@@ -103,7 +103,7 @@ class CounterTracker:
         """Whether the phase is known to within a quarter period."""
         return self._arc_len <= self.period / 4.0
 
-    def observe(self, t: float, value: float, t_before: float | None = None) -> tuple[float, float]:
+    def observe(self, t: float, value: float, t_before: float | None = None) -> tuple[float, float, float]:
         """Record a counter read that returned ``value``.
 
         Args:
@@ -114,8 +114,12 @@ class CounterTracker:
                 value held at some instant in ``[t_before, t]``.
 
         Returns:
-            When the update that produced the latest value happened: ``(estimate,
-            half_width)``, as :meth:`update_time`.
+            ``(latest value, estimate, half_width)``: the latest value known and when the
+            update that produced it happened, as :meth:`update_time`. The latest value is
+            ``value`` unless the read was stale: a read that began before another thread's
+            read of a newer value ended (two threads reading at once) returns the older
+            value, which is replaced by the newer one, so the value and its update time
+            always belong together.
         """
         tb = t if t_before is None else t_before
         with self._lock:
@@ -135,10 +139,10 @@ class CounterTracker:
                 # The update that produced the first value seen came within a period before.
                 self._record(value, t - self.period, t)
             elif value < last:  # a stale read adds nothing
-                return self._estimate(self._lo, self._hi)
+                return (last, *self._estimate(self._lo, self._hi))
             elif value == last:
                 self._last_t = max(self._last_t, tb)  # the old value still held at tb
-                return self._refresh()
+                return (value, *self._refresh())
             else:
                 # The old value held at or after _last_t; the new one by t.
                 lo = min(self._last_t, t)
@@ -147,7 +151,7 @@ class CounterTracker:
                     self._narrow(lo % self.period, t - lo)
             self._last_value = value
             self._last_t = tb
-            return self._refresh()
+            return (value, *self._refresh())
 
     def _record(self, value: float, lo: float, hi: float) -> None:
         self._lo, self._hi = lo, hi
@@ -360,7 +364,7 @@ class PowerSampler:
             except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
                 self.errors += 1
                 continue
-            update = track.sensor.observe(t, p, t_before)[0] if track.sensor is not None else None
+            update = track.sensor.observe(t, p, t_before)[1] if track.sensor is not None else None
             # Energy comes from the counter where there is one: keep the plain integral there.
             self._add(track, t, p, update if track.tracker is None else None)
         self._ticks += 1
