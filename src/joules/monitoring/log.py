@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,9 @@ class WindowLog:
 
     Each line is flushed as it is written, so a killed job loses nothing already measured.
     A measurement written after :meth:`close` is appended too (the file is opened for it and
-    closed again). Thread-safe.
+    closed again). Thread-safe. A file that ends in a cut-off line (a job killed while writing
+    it) gets a newline before the first record, so that the broken line does not take that
+    record with it.
 
     A CSV file has one column per device, so every row must have the same devices. Given
     ``columns`` (:meth:`csv_columns` of the devices measured), a CSV file that already has
@@ -37,6 +40,7 @@ class WindowLog:
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._closed = False
+        self._cut_line = False
         self._csv_columns: list[str] | None = None
         if columns is not None and self.path.suffix == ".csv":
             existing = self._existing_header()
@@ -73,7 +77,22 @@ class WindowLog:
             if self.path.suffix == ".csv":
                 self._csv_columns = self._existing_header()
             self._file = self.path.open("a", newline="")
+            self._cut_line = self._ends_mid_line()
         return self._file
+
+    def _ends_mid_line(self) -> bool:
+        """Whether the file is not empty and its last byte is not a newline."""
+        with self.path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+
+    def _end_cut_line(self, f: IO[str]) -> None:
+        """End a cut-off last line, so that the next record starts on a line of its own."""
+        if self._cut_line:
+            f.write("\n")
+            self._cut_line = False
 
     @staticmethod
     def _row(m: Measurement) -> dict[str, object]:
@@ -102,14 +121,16 @@ class WindowLog:
             f = self._open()
             try:
                 if self.path.suffix == ".jsonl":
+                    self._end_cut_line(f)
                     f.write(json.dumps(m.to_dict()) + "\n")
                 else:
                     row = self._row(m)
+                    if self._csv_columns is not None and set(row) != set(self._csv_columns):
+                        raise ValueError(self._mismatch(self._csv_columns, list(row)))
+                    self._end_cut_line(f)
                     if self._csv_columns is None:
                         self._csv_columns = list(row)
                         csv.writer(f).writerow(self._csv_columns)
-                    elif set(row) != set(self._csv_columns):
-                        raise ValueError(self._mismatch(self._csv_columns, list(row)))
                     csv.DictWriter(f, self._csv_columns).writerow(row)
                 f.flush()
             finally:

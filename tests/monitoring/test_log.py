@@ -1,0 +1,77 @@
+"""``WindowLog``: appending to a file a killed job left with a cut-off last line."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from joules.monitoring.log import WindowLog
+from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
+
+
+def window(name: str, gpu_j: float, start: float) -> Measurement:
+    return Measurement(
+        name=name,
+        start_time=start,
+        elapsed_s=1.5,
+        gpu={0: DeviceEnergy(gpu_j, Source.COUNTER, 0.5, False, "GPU-a")},
+        cpu={0: DeviceEnergy(40.0, Source.SAMPLED, 0.2, True, "h/cpu0")},
+        host="h",
+    )
+
+
+def test_jsonl_records_after_a_cut_off_line_stay_whole(tmp_path: Path) -> None:
+    path = tmp_path / "windows.jsonl"
+    earlier = window("earlier", 100.0, 10.0)
+    partial = json.dumps(window("killed", 120.0, 11.5).to_dict())[:45]
+    path.write_text(json.dumps(earlier.to_dict()) + "\n" + partial)
+    ours, next_one = window("ours", 130.0, 20.0), window("next", 140.0, 21.5)
+
+    log = WindowLog(path)
+    log.write(ours)
+    log.write(next_one)
+    log.close()
+
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4
+    assert lines[1] == partial  # the broken line stays as it was
+    records = [Measurement.from_dict(json.loads(line)) for i, line in enumerate(lines) if i != 1]
+    assert records == [earlier, ours, next_one]
+
+
+def test_csv_row_after_a_cut_off_line_stays_whole(tmp_path: Path) -> None:
+    path = tmp_path / "windows.csv"
+    columns = WindowLog.csv_columns([0], [0], [])
+    first = WindowLog(path, columns=columns)
+    first.write(window("earlier", 100.0, 10.0))
+    first.close()
+    with path.open("a", newline="") as f:
+        f.write("killed,h,11.5,1.5,16")  # a row cut off mid-number, without its newline
+    cut = path.read_bytes()
+
+    log = WindowLog(path, columns=columns)
+    other_devices = Measurement("gpu1", 15.0, 1.0, gpu={1: DeviceEnergy(9.0, Source.COUNTER)}, host="h")
+    with pytest.raises(ValueError, match="other devices"):
+        log.write(other_devices)
+    assert path.read_bytes() == cut  # nothing is written for a refused row
+    ours = window("ours", 130.0, 20.0)
+    log.write(ours)
+    log.close()
+
+    with path.open(newline="") as f:
+        raw = list(csv.reader(f))
+    assert raw[0] == columns and sum(r == columns for r in raw) == 1  # the header was found, not rewritten
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["name"] for r in rows] == ["earlier", "killed", "ours"]
+    row = rows[2]
+    assert None not in row and all(row[c] for c in columns)  # every cell, none spilled over
+    assert row["host"] == "h"
+    assert float(row["start_time"]) == 20.0 and float(row["elapsed_s"]) == 1.5
+    assert float(row["gpu0_energy_j"]) == 130.0 and row["gpu0_source"] == "counter"
+    assert float(row["cpu0_energy_j"]) == 40.0 and row["cpu0_source"] == "sampled+corrected"
+    assert float(row["total_energy_j"]) == pytest.approx(ours.total_energy_j)
+    assert float(row["uncertainty_j"]) == pytest.approx(ours.uncertainty_j)
