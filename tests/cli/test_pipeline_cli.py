@@ -158,6 +158,25 @@ def test_plan_errors_are_one_line(fake_solver, profile_csv: Path, tmp_path: Path
     assert fake_solver == []
 
 
+@pytest.mark.parametrize("value", ["inf", "1e999", "-inf", "nan", "1e-300"])
+def test_plan_refuses_a_unit_time_that_is_not_a_finite_number_of_at_least_a_microsecond(
+        value: str, profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plans"
+    assert main(plan_args(profile_csv, out, "--unit-time", value)) == 2
+    line = error_line(capsys)  # one line, no traceback
+    assert "bad --unit-time" in line and "finite number of seconds, at least 1e-06" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999"])
+def test_plan_refuses_an_infinite_p2p_power(value: str, profile_csv: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plans"
+    assert main(plan_args(profile_csv, out, "--p2p-power", value)) == 2
+    assert "bad --p2p-power inf (expected a finite number of watts" in error_line(capsys)
+    assert not out.exists()
+
+
 def test_plan_bad_method_is_a_clean_error(profile_csv: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(plan_args(profile_csv, tmp_path / "plans", "--method", "greedy")) == 2
@@ -233,6 +252,16 @@ def test_show_errors(planned: tuple[Path, Frontier], tmp_path: Path,
     (out / "frontier.json").write_text("{\"version\": 1}")
     assert main(["pipeline", "show", str(out), "--profile", str(other)]) == 2
     assert "malformed frontier" in error_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999"])
+def test_show_refuses_an_infinite_time(value: str, planned: tuple[Path, Frontier],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out, _ = planned
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["pipeline", "show", str(out), "--time", value]) == 2
+    assert "bad --time inf (expected a finite positive number of seconds)" in error_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == before  # no picture drawn
 
 
 def test_show_warns_when_the_profile_is_not_the_one_planned_from(

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,10 +70,11 @@ def plan(
     from joules.optimizers.pipeline.schedule import build_dag
 
     name = _schedule(schedule)
-    if not unit_time > 0:
-        raise JoulesError(f"bad --unit-time {unit_time:g} (expected a positive number of seconds)")
-    if not p2p_power >= 0:
-        raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected watts, at least 0)")
+    if not (math.isfinite(unit_time) and unit_time >= 1e-6):
+        raise JoulesError(f"bad --unit-time {unit_time:g} "
+                          f"(expected a finite number of seconds, at least 1e-06)")
+    if not (math.isfinite(p2p_power) and p2p_power >= 0):
+        raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected a finite number of watts, at least 0)")
     parts = [PipelineProfile.from_csv(p) for p in profile]
     prof = parts[0] if len(parts) == 1 else PipelineProfile.merge(parts)
     prof.check_covers(stages)
@@ -143,8 +145,8 @@ def show(
     from joules.optimizers.pipeline.picture import FORMATS, save_picture
     from joules.optimizers.pipeline.profile import PipelineProfile, PipelineProfileError
 
-    if time is not None and not time > 0:
-        raise JoulesError(f"bad --time {time:g} (expected a positive number of seconds)")
+    if time is not None and not (math.isfinite(time) and time > 0):
+        raise JoulesError(f"bad --time {time:g} (expected a finite positive number of seconds)")
     if out is not None and out.suffix.lower() not in FORMATS:
         raise PlanError(f"bad --out {str(out)!r}: use a .svg or .png file name")
     frontier = Frontier.load(path)

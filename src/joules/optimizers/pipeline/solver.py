@@ -105,8 +105,7 @@ class Problem:
         rounded down to whole units; of options sharing a unit the fastest is kept (its time is
         the one the unit describes best).
         """
-        if not unit_time_s > 0:
-            raise ValueError(f"unit time must be positive (got {unit_time_s})")
+        _check_unit_time(unit_time_s)
         if not (blocking_power_w >= 0 and math.isfinite(blocking_power_w)):
             raise ValueError(f"blocking power must be a finite number >= 0 W (got {blocking_power_w})")
         table = option_table(dag, profile)
@@ -650,6 +649,18 @@ def exact_points(p: Problem) -> list[tuple[int, float, list[int]]]:
 
 # -- the solver ------------------------------------------------------------------------------------
 
+def _check_unit_time(unit_time_s: float) -> None:
+    """Refuse a unit time that is not a finite number of seconds of at least ``FINE_UNIT_S``.
+
+    Raises:
+        ValueError: ``unit_time_s`` is below 1 µs (the fast method's own unit; the exact
+            method would count in more units than it can search), infinite or NaN.
+    """
+    if not (math.isfinite(unit_time_s) and unit_time_s >= FINE_UNIT_S):
+        raise ValueError(f"unit time must be a finite number of seconds, at least {FINE_UNIT_S:g} "
+                         f"(got {unit_time_s})")
+
+
 def solve(
     dag: PipelineDAG,
     profile: PipelineProfile,
@@ -677,6 +688,7 @@ def solve(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    _check_unit_time(unit_time_s)
     t0 = time.perf_counter()
     meta: dict[str, object] = {}
     if method in ("auto", "exact"):
