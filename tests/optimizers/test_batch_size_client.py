@@ -731,3 +731,105 @@ def test_an_end_the_server_refuses_is_not_sent_again():
     n = len(server.requests)
     bso.on_train_end()
     assert len(server.requests) == n
+
+
+def test_a_trial_made_for_a_create_whose_every_answer_was_lost_is_handed_back_next_time():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    server.failures = [None] + ["lost"] * 6  # registered; every answer to the create is lost
+    with pytest.raises(ServerError, match="could not create a trial: .* failed 6 time"):
+        bso.get_batch_size()
+    assert list(server.trials) == ["t1"] and server.trials["t1"]["status"] == "running"
+    assert bso.get_batch_size() == 64
+    assert list(server.trials) == ["t1"]  # not a second trial running beside the first
+    assert bso.trial is not None and bso.trial.trial_id == "t1"
+    creates = server.bodies("POST", "/trials")
+    assert len(creates) == 7 and all(c["request_id"] == creates[0]["request_id"] for c in creates)
+    bso.abort()
+    bso.get_batch_size()  # a new trial: a new request id
+    assert server.bodies("POST", "/trials")[-1]["request_id"] != creates[0]["request_id"]
+    assert bso.trial is not None and bso.trial.trial_id == "t2"
+
+
+def test_a_create_that_never_reached_the_server_is_sent_again_with_the_same_request_id():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False, retries=1)
+    server.failures = [None, "connect", 503]
+    with pytest.raises(ServerError, match="HTTP 503"):
+        bso.get_batch_size()
+    assert server.trials == {}
+    bso.get_batch_size()
+    creates = server.bodies("POST", "/trials")
+    assert len(creates) == 3 and creates[0] == creates[1] == creates[2]
+    assert list(server.trials) == ["t1"] and bso.trial is not None and bso.trial.trial_id == "t1"
+
+
+def test_a_create_the_server_refuses_is_not_sent_again_with_the_same_request_id():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, power_limit=False)
+    server.failures = [None, 400]
+    with pytest.raises(ServerError, match="HTTP 400"):
+        bso.get_batch_size()
+    assert sleeps == []
+    bso.get_batch_size()
+    first, second = server.bodies("POST", "/trials")
+    assert first["request_id"] != second["request_id"]
+
+
+def test_a_handed_back_trial_that_has_ended_since_is_replaced(caplog):
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False, retries=0)
+    server.failures = [None, "lost"]
+    with pytest.raises(ServerError):
+        bso.get_batch_size()
+    server.trials["t1"].update(status="ended", outcome="aborted")  # it expired meanwhile
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        assert bso.get_batch_size() == 64
+    assert "trial t1, made for a request whose answer was lost, has ended since" in caplog.text
+    assert bso.trial is not None and bso.trial.trial_id == "t2" and bso.trial.status == "running"
+    first, again, new = server.bodies("POST", "/trials")
+    assert first == again and new["request_id"] != first["request_id"]
+
+
+def test_abort_after_a_lost_create_ends_the_trial_the_server_made():
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    server.failures = [None] + ["lost"] * 6
+    with pytest.raises(ServerError, match="could not create a trial"), bso:
+        bso.get_batch_size()  # the with block's exit aborts
+    creates = server.bodies("POST", "/trials")
+    assert len(creates) == 7 and creates[6] == creates[0]  # one more attempt, the same request id
+    assert server.bodies("POST", "/end") == [{"status": "aborted"}]
+    assert server.trials["t1"]["outcome"] == "aborted" and len(server.trials) == 1
+    assert bso.trial is not None and bso.trial.trial_id == "t1" and bso.trial.status == "ended"
+    n = len(server.requests)
+    bso.abort()
+    assert len(server.requests) == n  # nothing more to end
+    bso.get_batch_size()
+    assert server.bodies("POST", "/trials")[-1]["request_id"] != creates[0]["request_id"]
+    assert bso.trial.trial_id == "t2"
+
+
+def test_abort_after_a_lost_create_tries_once_and_keeps_the_request_id(caplog):
+    server = FakeServer()
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, power_limit=False, retries=2)
+    server.failures = [None] + ["lost"] * 3 + ["connect"]  # then the server is unreachable
+    with pytest.raises(ServerError):
+        bso.get_batch_size()
+    n_sleeps = len(sleeps)
+    with caplog.at_level(logging.WARNING, "joules.batch_size"):
+        bso.abort()  # no exception: nothing was handed to the caller
+    assert "could not learn the trial of the failed creation" in caplog.text
+    assert len(sleeps) == n_sleeps  # one attempt, no backoff
+    assert len(server.bodies("POST", "/trials")) == 4 and server.bodies("POST", "/end") == []
+    assert bso.trial is None
+    assert bso.get_batch_size() == 64  # the same request id: the trial the server made
+    assert list(server.trials) == ["t1"] and bso.trial is not None and bso.trial.trial_id == "t1"
+    creates = server.bodies("POST", "/trials")
+    assert all(c == creates[0] for c in creates)

@@ -272,3 +272,66 @@ def test_reporting_after_the_trial_ended_elsewhere_is_a_clear_error(server: str)
     with pytest.raises(JoulesError, match=r"call get_batch_size\(\) first"):
         bso.on_step_end()
     monitor.close()
+
+
+class _LoseTrialAnswers(httpx.BaseTransport):
+    """Forwards every request; the answers to the first ``n`` trial creations are lost on the way back."""
+
+    def __init__(self, n: int) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.n = n
+        self.creates: list[bytes] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.method == "POST" and request.url.path.endswith("/trials"):
+            self.creates.append(request.content)
+            if len(self.creates) <= self.n:
+                response.read()
+                response.close()
+                raise httpx.ReadTimeout("answer lost", request=request)
+        return response
+
+
+def _client(server: str, name: str,
+            transport: httpx.BaseTransport) -> tuple[BatchSizeOptimizer, EnergyMonitor]:
+    sim = Simulator("A100")
+    monitor = EnergyMonitor(devices=sim.devices())
+    bso = BatchSizeOptimizer(monitor, server, job_spec(name), token=TOKEN, power_limit=False, retries=2,
+                             backoff_s=0.01, transport=transport)
+    return bso, monitor
+
+
+def test_a_trial_whose_every_create_answer_was_lost_is_handed_back_not_made_twice(server: str):
+    transport = _LoseTrialAnswers(3)  # every attempt of the first get_batch_size()
+    bso, monitor = _client(server, "sim/lost-create", transport)
+    with pytest.raises(ServerError, match="could not create a trial: .* failed 3 time"):
+        bso.get_batch_size()
+    assert bso.job is not None
+    [made] = [TrialOut.model_validate(t) for t in get(server, f"/jobs/{bso.job.job_id}/trials")]
+    assert made.status == "running"
+    bso.get_batch_size()
+    trials = [TrialOut.model_validate(t) for t in get(server, f"/jobs/{bso.job.job_id}/trials")]
+    assert [t.trial_id for t in trials] == [made.trial_id]  # one trial, not a second one running
+    assert bso.trial is not None and bso.trial.trial_id == made.trial_id
+    assert len(set(transport.creates)) == 1 and len(transport.creates) == 4
+    state = JobState.model_validate(get(server, f"/jobs/{bso.job.job_id}"))
+    assert state.trials == {"running": 1, "ended": 0}
+    bso.abort()
+    bso.close()
+    monitor.close()
+
+
+def test_abort_after_every_create_answer_was_lost_ends_the_trial_the_server_made(server: str):
+    transport = _LoseTrialAnswers(3)
+    bso, monitor = _client(server, "sim/lost-create-abort", transport)
+    with pytest.raises(ServerError, match="could not create a trial"), bso:
+        bso.get_batch_size()  # the with block's exit aborts
+    assert bso.job is not None
+    [t] = [TrialOut.model_validate(x) for x in get(server, f"/jobs/{bso.job.job_id}/trials")]
+    assert t.status == "ended" and t.outcome == "aborted"
+    assert bso.trial == t
+    state = JobState.model_validate(get(server, f"/jobs/{bso.job.job_id}"))
+    assert state.trials == {"running": 0, "ended": 1, "aborted": 1}
+    bso.close()
+    monitor.close()

@@ -242,6 +242,9 @@ class BatchSizeOptimizer:
         self._unsent: list[EpochReport] = []
         # The status of an end request that failed: the next end (or new trial) sends it again.
         self._end_pending: Literal["completed", "aborted"] | None = None
+        # The request id of a trial creation that failed (the server may have made the trial):
+        # the next get_batch_size() sends it again, and gets that trial back if it was made.
+        self._create_pending: str | None = None
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -262,6 +265,11 @@ class BatchSizeOptimizer:
         :meth:`on_train_end` or :meth:`abort`, it starts a new trial (ending the previous one
         first if telling the server failed then).
 
+        If creating the trial fails after every retry for a reason that may pass (no answer,
+        5xx, 429), the next call asks again with the same request id: the server hands back
+        the trial it made for the lost request, if it made one, rather than a second trial.
+        A trial handed back that has ended since (it expired) is replaced by a new one.
+
         Raises:
             ServerError: The server could not be reached, refused the token, or has a job of
                 this name with a different spec (the message lists the fields that differ).
@@ -272,16 +280,13 @@ class BatchSizeOptimizer:
             self._send_end()
         if self.job is None:
             self.job = self._register()
-        # A retry whose first attempt reached the server gets that trial back, not a second one.
-        request = TrialCreate(client=self.client_name, request_id=uuid.uuid4().hex)
-        trial = self._call("POST", f"/jobs/{self.job.job_id}/trials", TrialOut, request,
-                           what="create a trial")
-        self.trial = trial
-        self.epochs = []
-        self._unsent = []
-        self.stop_reason = None
-        self.power_limit_optimizer = None
-        self._began = self._ended = False
+        trial = self._create_trial()
+        if trial.status != "running":
+            log.warning("trial %s, made for a request whose answer was lost, has ended since (%s): "
+                        "starting another", trial.trial_id, trial.outcome)
+            trial = self._create_trial()
+        self._use(trial)
+        self._ended = False
         log.info("job %r trial %s: batch size %d (%s%s)", self.spec.name, trial.trial_id, trial.batch_size,
                  trial.phase, "" if trial.stop_cost is None else f", stop cost {trial.stop_cost:.4g}")
         return trial.batch_size
@@ -398,9 +403,17 @@ class BatchSizeOptimizer:
         If the server cannot be told, the next :meth:`on_train_end`, :meth:`abort` or
         :meth:`get_batch_size` tries again (with the same request).
 
+        After a :meth:`get_batch_size` whose trial creation failed, the creation is sent once
+        more (one attempt, no retries), to learn the trial the server may have made and end it
+        as aborted; if the server makes the trial only now, it is ended at once. If that
+        attempt fails too, nothing is raised: the next :meth:`get_batch_size` asks again with
+        the same request id, and an unused trial expires after the job's ``stale_after_s``.
+
         Raises:
             ServerError: The server could not be told (the GPUs' limits are restored anyway).
         """
+        if self._create_pending is not None:
+            self._learn_pending_trial()
         if self.trial is None or (self._ended and self._end_pending is None):
             return
         self._finish("aborted")
@@ -429,6 +442,52 @@ class BatchSizeOptimizer:
     def _ensure_began(self) -> None:
         if not self._began:
             self.on_train_begin()
+
+    def _create_trial(self, retries: int | None = None) -> TrialOut:
+        """Ask the server for a new trial (``retries``: default, the client's).
+
+        The request carries an idempotency key: a retry whose first attempt reached the server
+        gets that trial back, not a second one. A request that fails for a reason that may pass
+        keeps its key for the next one; an answer, or a refusal (another 4xx), clears it.
+        """
+        assert self.job is not None
+        if self._create_pending is None:
+            self._create_pending = uuid.uuid4().hex
+        request = TrialCreate(client=self.client_name, request_id=self._create_pending)
+        try:
+            trial = self._call("POST", f"/jobs/{self.job.job_id}/trials", TrialOut, request,
+                               what="create a trial", retries=retries)
+        except ServerError as e:
+            if not _retryable(e):
+                self._create_pending = None
+            raise
+        self._create_pending = None
+        return trial
+
+    def _use(self, trial: TrialOut) -> None:
+        """Make ``trial`` the current one, with no epoch and no training begun."""
+        self.trial = trial
+        self.epochs = []
+        self._unsent = []
+        self.stop_reason = None
+        self.power_limit_optimizer = None
+        self._began = False
+
+    def _learn_pending_trial(self) -> None:
+        """On abort: one attempt to get the trial of a failed creation, which is then to be aborted.
+
+        The trial becomes the current one, ended, with its end (``aborted``) pending when it is
+        still running; nothing changes, and nothing is raised, if the attempt fails.
+        """
+        try:
+            trial = self._create_trial(retries=0)
+        except ServerError as e:
+            log.warning("could not learn the trial of the failed creation (the next get_batch_size() "
+                        "asks again; an unused trial expires after the job's stale_after_s): %s", e)
+            return
+        self._use(trial)
+        self._ended = True
+        self._end_pending = "aborted" if trial.status == "running" else None
 
     def _finish(self, status: Literal["completed", "aborted"]) -> None:
         assert self.trial is not None
@@ -551,15 +610,16 @@ class BatchSizeOptimizer:
                           report, what=f"report epoch {report.epoch}")
 
     def _call(self, method: str, path: str, model: type[M], body: BaseModel | None = None, *,
-              what: str) -> M:
+              what: str, retries: int | None = None) -> M:
         """One request, retried on connection errors, timeouts, 5xx and 429; the answer parsed.
 
         Every request is safe to repeat: registration and epoch reports are idempotent on the
-        server, and a trial is created with an idempotency key.
+        server, and a trial is created with an idempotency key. ``retries`` overrides the
+        client's.
         """
         url = f"{self.server_url}{path}"
         payload = body.model_dump(mode="json") if body is not None else None
-        attempts = self.retries + 1
+        attempts = (self.retries if retries is None else retries) + 1
         failure = ""
         retry_after: float | None = None
         for attempt in range(attempts):
