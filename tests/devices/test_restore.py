@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -52,9 +55,23 @@ def write_journal(directory: Path, pid: int, gpus: list[dict[str, object]], host
     return path
 
 
-def entry(gpu: SimGPU, limit: float | None, locked: bool = False) -> dict[str, object]:
-    return {"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name, "power_limit_w": limit,
-            "sm_clock_locked": locked}
+def entry(gpu: SimGPU, limit: float | None, locked: bool = False, applied: float | None = None
+          ) -> dict[str, object]:
+    """A journal's entry for ``gpu``; ``applied`` (the limit set last) as a guard writes it."""
+    e: dict[str, object] = {"uuid": gpu.uuid, "index": gpu.index, "name": gpu.name,
+                            "power_limit_w": limit, "sm_clock_locked": locked}
+    if applied is not None:
+        e["applied_power_limit_w"] = applied
+    return e
+
+
+def journal_gpus(path: Path) -> list[dict[str, object]]:
+    """The GPU entries of a journal, without the times they were set (checked to be there)."""
+    gpus = json.loads(path.read_text())["gpus"]
+    for g in gpus:
+        assert ("applied_at" in g) == ("applied_power_limit_w" in g)
+        assert isinstance(g.pop("applied_at", 0.0), float)
+    return gpus
 
 
 @pytest.fixture
@@ -96,7 +113,7 @@ def test_restores_the_limit_the_gpu_had_not_its_default_or_max(sim: Simulator, j
     assert guard.journal_path == path
     data = json.loads(path.read_text())
     assert data["pid"] == os.getpid() and data["host"] == socket.gethostname()
-    assert data["gpus"] == [entry(g, 250.0)]
+    assert journal_gpus(path) == [entry(g, 250.0, applied=150.0)]
     assert data["process_start_time"] == process_start_time(os.getpid())
     assert guard.restore() == []
     assert g.power_limit_w() == 250.0
@@ -126,7 +143,7 @@ def test_locked_clocks_are_reset(sim: Simulator, jdir: Path) -> None:
         assert guard.changed == [
             Change(g1.uuid, 1, g1.name, None, True), Change(g0.uuid, 0, g0.name, 400.0, False)]
         [path] = journals(jdir)
-        assert json.loads(path.read_text())["gpus"] == [entry(g1, None, True), entry(g0, 400.0)]
+        assert journal_gpus(path) == [entry(g1, None, True), entry(g0, 400.0, applied=300.0)]
     assert g1.sm_clock_locked() is None and g1.power_limit_w() == 400.0
     assert g0.power_limit_w() == 400.0
     assert journals(jdir) == []
@@ -172,7 +189,7 @@ def test_permission_error_on_a_second_gpu_keeps_the_first(sim: Simulator, jdir: 
     with pytest.raises(DevicePermissionError):
         guard.set_power_limit_w(g1, 200.0)
     [path] = journals(jdir)
-    assert json.loads(path.read_text())["gpus"] == [entry(g0, 400.0)]
+    assert journal_gpus(path) == [entry(g0, 400.0, applied=200.0)]
     guard.restore()
     assert g0.power_limit_w() == 400.0 and journals(jdir) == []
 
@@ -195,7 +212,7 @@ def test_one_gpu_failing_to_restore_does_not_stop_the_others(
     assert g0.power_limit_w() == 150.0
     # What failed stays in the journal, for `joules restore` after this process is gone.
     [path] = journals(jdir)
-    assert json.loads(path.read_text())["gpus"] == [entry(g0, 300.0)]
+    assert journal_gpus(path) == [entry(g0, 300.0, applied=150.0)]
     g0.allow_control = True
     assert guard.restore() == []
     assert g0.power_limit_w() == 300.0 and journals(jdir) == []
@@ -392,6 +409,191 @@ def test_the_original_of_a_dead_or_other_host_journal_is_not_taken(sim: Simulato
     assert guard.changed[0].original_power_limit_w == 250.0
     guard.restore()
     assert g.power_limit_w() == 250.0
+
+
+# -- several guards on one GPU: the one that restores first leaves it to the others --------------
+def two_dirs(jdir: Path, dirs: str) -> tuple[Path, Path]:
+    return (jdir, jdir) if dirs == "same" else (jdir, jdir.parent / "other-restore")
+
+
+@pytest.mark.parametrize("dirs", ["same", "different"])
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_guard_restoring_first_leaves_the_limit_the_other_set(
+    sim: Simulator, jdir: Path, dirs: str, first: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=restore_mod.__name__)
+    g = sim.gpus[0]
+    g.set_power_limit_w(300.0)
+    dir_a, dir_b = two_dirs(jdir, dirs)
+    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
+    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
+    a.set_power_limit_w(g, 250.0)
+    b.set_power_limit_w(g, 200.0)  # sees 250 W; a (whatever its directory) had 300 W before
+    assert b.changed[0].original_power_limit_w == 300.0
+    one, other, kept = (a, b, 200.0) if first == "a" else (b, a, 250.0)
+    assert one.restore() == []
+    assert g.power_limit_w() == kept  # the one still running keeps the limit it set
+    assert one.changed == [] and one.journal_path is None
+    assert "left at" in caplog.text and "it puts back 300 W" in caplog.text
+    # Its journal still holds the original, for a recovery if it is killed.
+    assert other.journal_path is not None
+    assert journal_gpus(other.journal_path) == [entry(g, 300.0, applied=kept)]
+    assert other.restore() == []
+    assert g.power_limit_w() == 300.0
+    assert journals(dir_a) == journals(dir_b) == []
+
+
+@pytest.mark.parametrize("dirs", ["same", "different"])
+def test_the_limit_left_is_the_one_the_running_guard_set_last(
+    sim: Simulator, jdir: Path, dirs: str
+) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(300.0)
+    dir_a, dir_b = two_dirs(jdir, dirs)
+    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
+    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
+    c = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
+    a.set_power_limit_w(g, 250.0)
+    b.set_power_limit_w(g, 200.0)
+    c.set_power_limit_w(g, 220.0)
+    b.set_power_limit_w(g, 190.0)  # b set it last
+    a.set_power_limit_w(g, 260.0)  # a changes it again, and ends
+    a.restore()
+    assert g.power_limit_w() == 190.0  # not a's 260 W, nor c's older 220 W
+    b.restore()
+    assert g.power_limit_w() == 220.0
+    c.restore()
+    assert g.power_limit_w() == 300.0
+
+
+@pytest.mark.parametrize("dirs", ["same", "different"])
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_clock_locked_by_another_running_guard_stays_locked(
+    sim: Simulator, jdir: Path, dirs: str, first: str
+) -> None:
+    g = sim.gpus[0]
+    dir_a, dir_b = two_dirs(jdir, dirs)
+    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
+    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
+    a.lock_sm_clock(g, 210.0, 900.0)
+    a.set_power_limit_w(g, 250.0)
+    b.lock_sm_clock(g, 1005.0, 1005.0)
+    one, other = (a, b) if first == "a" else (b, a)
+    assert one.restore() == []
+    assert g.sm_clock_locked() == (1005.0, 1005.0)  # left to the other guard
+    assert one.changed == []
+    assert other.restore() == []
+    assert g.sm_clock_locked() is None and g.power_limit_w() == 400.0
+    assert journals(dir_a) == journals(dir_b) == []
+
+
+def test_a_restore_failing_keeps_the_guard_holding_the_gpu(sim: Simulator, jdir: Path) -> None:
+    g = sim.gpus[0]
+    g.set_power_limit_w(300.0)
+    a = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    b = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    a.set_power_limit_w(g, 250.0)
+    b.set_power_limit_w(g, 200.0)
+    g.allow_control = False
+    assert len(b.restore()) == 1  # b holds on to its change
+    g.allow_control = True
+    assert a.restore() == [] and g.power_limit_w() == 200.0  # left to b, which still has it
+    assert b.restore() == [] and g.power_limit_w() == 300.0
+
+
+class _SlowGPU(SimGPU):
+    """A GPU whose limit changes take a while, so that restores in two threads overlap."""
+
+    slow = False
+
+    def set_power_limit_w(self, watts: float) -> None:
+        if self.slow:
+            time.sleep(0.1)
+        super().set_power_limit_w(watts)
+
+
+def test_guards_restoring_at_once_do_not_both_leave_the_gpu_to_the_other(jdir: Path) -> None:
+    sim = Simulator("A100")
+    g = _SlowGPU(sim.gpus[0].model, sim.clock)
+    g.set_power_limit_w(300.0)
+    guards = [RestoreGuard([g], journal_dir=jdir, handle_signals=False) for _ in range(2)]
+    guards[0].set_power_limit_w(g, 250.0)
+    guards[1].set_power_limit_w(g, 200.0)
+    g.slow = True
+    start = threading.Barrier(2)
+
+    def restore(guard: RestoreGuard) -> None:
+        start.wait()
+        guard.restore()
+
+    threads = [threading.Thread(target=restore, args=(guard,)) for guard in guards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert g.power_limit_w() == 300.0 and journals(jdir) == []
+
+
+class _SignalOnceGPU(SimGPU):
+    """A GPU whose next limit change, once armed, is interrupted by SIGTERM."""
+
+    armed = False
+
+    def set_power_limit_w(self, watts: float) -> None:
+        if self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGTERM)
+        super().set_power_limit_w(watts)
+
+
+def test_signal_while_a_guard_hands_a_gpu_over_is_handled_after_it(
+    jdir: Path, sigterm_recorder: list[int]
+) -> None:
+    sim = Simulator("A100")
+    g = _SignalOnceGPU(sim.gpus[0].model, sim.clock)
+    g.set_power_limit_w(300.0)
+    a = RestoreGuard([g], journal_dir=jdir)
+    b = RestoreGuard([g], journal_dir=jdir)  # its handler is on top, and chains to a's
+    a.set_power_limit_w(g, 250.0)
+    b.set_power_limit_w(g, 200.0)
+    g.armed = True
+    a.restore()  # SIGTERM lands while a leaves the GPU to b: b restores after, not half-way
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert g.power_limit_w() == 300.0 and journals(jdir) == []
+
+
+def test_a_running_job_of_an_older_version_gets_the_gpu_as_it_is(sim: Simulator, jdir: Path) -> None:
+    parent = os.getppid()  # some running process of this host stands for that job
+    if process_start_time(parent) is None:
+        pytest.skip("no /proc here")
+    g = sim.gpus[0]
+    g.set_power_limit_w(280.0)
+    # Its journal has no limit set last (older journals do not record one).
+    path = write_journal(jdir, parent, [entry(g, 300.0)], start=process_start_time(parent))
+    guard = RestoreGuard([g], journal_dir=jdir, handle_signals=False, recover_stale=False)
+    guard.set_power_limit_w(g, 250.0)
+    assert guard.changed[0].original_power_limit_w == 300.0
+    assert guard.restore() == []
+    assert g.power_limit_w() == 250.0 and journals(jdir) == [path]  # left for that job to restore
+
+
+def test_recovery_leaves_a_gpu_that_a_running_guard_holds(sim: Simulator, jdir: Path) -> None:
+    g0, g1 = sim.gpus
+    g0.set_power_limit_w(150.0)
+    g1.set_power_limit_w(150.0)
+    g1.lock_sm_clock(210.0, 900.0)
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir.parent / "elsewhere", handle_signals=False)
+    guard.set_power_limit_w(g0, 200.0)
+    guard.lock_sm_clock(g1, 1005.0, 1005.0)
+    write_journal(jdir, dead_pid(), [entry(g0, 300.0, applied=150.0), entry(g1, 275.0, True)])
+    lines = recover(sim.gpus, jdir)
+    assert len(lines) == 2
+    assert "power limit left at 200 W" in lines[0] and "guard in this process" in lines[0]
+    assert "SM clock left locked" in lines[1] and "125 W" not in lines[1]
+    assert (g0.power_limit_w(), g1.power_limit_w(), g1.sm_clock_locked()) == (200.0, 275.0, (1005.0, 1005.0))
+    assert journals(jdir) == []
+    guard.restore()
+    assert g0.power_limit_w() == 150.0 and g1.sm_clock_locked() is None
 
 
 def test_default_journal_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -684,6 +886,61 @@ def test_two_processes_lowering_one_gpu_leave_it_as_it_was(
                 p.wait(timeout=10)
     assert recorded(state)[0] == 300.0
     assert journals(tmp_path / "restore") == []
+
+def test_a_job_ending_first_leaves_the_gpu_to_a_running_job_until_it_is_killed(
+    shared: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    state, env = shared
+    jdir = tmp_path / "restore"
+    g = Simulator("A100x2", state_file=state).gpus[0]
+    a = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    a.set_power_limit_w(g, 250.0)
+    b = start_ready([sys.executable, "-c", TWO_JOBS_CHILD, "200", str(tmp_path / "b-done")], env, "ready",
+                    timeout_s=30)
+    try:
+        assert recorded(state)[0] == 200.0
+        a.set_power_limit_w(g, 260.0)  # a changes it again, after b
+        assert a.restore() == []
+        assert recorded(state)[0] == 200.0  # the limit b set, b still runs
+        [path] = journals(jdir)
+        assert json.loads(path.read_text())["pid"] == b.pid
+        assert journal_gpus(path) == [entry(g, 300.0, applied=200.0)]  # a's original
+        b.kill()
+        b.wait(timeout=30)
+    finally:
+        if b.poll() is None:
+            b.kill()
+            b.wait(timeout=10)
+    [line] = recover(Simulator("A100x2", state_file=state).gpus, jdir)
+    assert "200 W -> 300 W" in line
+    assert recorded(state)[0] == 300.0 and journals(jdir) == []
+
+
+def test_recovering_a_killed_job_leaves_the_gpu_to_a_running_one(
+    shared: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    state, env = shared
+    jdir = tmp_path / "restore"
+    a = start_ready([sys.executable, "-c", TWO_JOBS_CHILD, "250", str(tmp_path / "a-done")], env, "ready",
+                    timeout_s=30)
+    try:
+        g = Simulator("A100x2", state_file=state).gpus[0]
+        b = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+        b.set_power_limit_w(g, 200.0)
+        assert b.changed[0].original_power_limit_w == 300.0  # from a's journal
+        a.kill()
+        a.wait(timeout=30)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(timeout=10)
+    # A job starting now recovers what a left, but b still runs: the GPU stays at b's limit.
+    c = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    assert len(c.recovered) == 1 and "power limit left at 200 W" in c.recovered[0]
+    assert recorded(state)[0] == 200.0 and journals(jdir) == [b.journal_path]
+    b.restore()
+    assert recorded(state)[0] == 300.0 and journals(jdir) == []
+
 
 
 SIGNAL_CHILD = textwrap.dedent("""

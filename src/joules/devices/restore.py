@@ -12,15 +12,23 @@ before its first change, and puts that back when the job ends:
   the signal goes on to the handler that was there before.
 
 Several guards may change the same GPU (two components of a job, or two jobs on one
-machine): the first change of a GPU takes the original limit from the journal of a running
-process that changed it already, when there is one, so whichever guard restores last puts
-back the limit the GPU had before any of them.
+machine). The first change of a GPU takes the original limit from a running guard that
+changed it already, when there is one: another guard of this process (whatever its journal
+directory), else the journal of another running process in the same directory. A guard that
+restores a GPU while such a guard still has it changed leaves the GPU to that guard: the
+power limit goes back to the one that guard set last, a clock it locked stays locked. So
+every guard keeps its own setting while it runs, and the last one to restore puts back what
+the GPU had before any of them. Restores, recoveries, and the changes they must see are
+serialized (within a process, and among processes through a lock file in the journal
+directory), so two guards that restore at the same moment do not both leave the GPU to the
+other.
 
 SIGKILL (and a machine or driver crash) cannot be caught. For those, each guard keeps a
-small journal file, written *before* the device is changed, naming the GPUs and their
-original settings. :func:`recover` (run by every new guard, and by ``joules restore``)
-puts back what the journals of processes that are gone record, and deletes the journals;
-where several name one GPU, the oldest journal's original limit is applied last.
+small journal file, written *before* the device is changed, naming the GPUs, their original
+settings and the limit it set last. :func:`recover` (run by every new guard, and by
+``joules restore``) puts back what the journals of processes that are gone record, and
+deletes the journals; where several name one GPU, the oldest journal's original limit is
+applied last, and a GPU that a running guard still has changed is left to it.
 
 Journals live in ``$JOULES_STATE_DIR/restore``, else ``$XDG_STATE_HOME/joules/restore``,
 else ``~/.local/state/joules/restore``.
@@ -57,6 +65,10 @@ except ImportError:  # pragma: no cover - not on Windows
     fcntl = None  # type: ignore[assignment]
 
 STATE_ENV = "JOULES_STATE_DIR"
+# Format 1. Each GPU's entry: uuid, index, name, power_limit_w (the original, or null),
+# sm_clock_locked, and, while the limit is changed, applied_power_limit_w and applied_at (the
+# limit set last and when, in seconds since the epoch; absent in journals of older versions,
+# which are read as "not known").
 JOURNAL_FORMAT = 1
 
 logger = logging.getLogger(__name__)
@@ -162,32 +174,140 @@ def _journal_age(data: dict[str, Any], path: Path) -> tuple[float, int]:
     return when, start if isinstance(start, int) and not isinstance(start, bool) else 0
 
 
-def _live_original_power_limit_w(directory: Path, uuid: str, exclude: Path | None) -> float | None:
-    """The original limit of GPU ``uuid`` in the oldest journal of a running process of this host.
+# -- what the guards of this process and of other running processes hold ------------------------
+# The changes each guard of this process has not restored yet, as its journal entries (also
+# for guards whose journal cannot be written, or that use another directory), with the age
+# key of its journal. _LOCK guards it and serializes, with the lock file of a journal
+# directory, the changes, restores and recoveries (see _directory_lock).
+_LOCK = threading.RLock()
+_REGISTRY: dict[RestoreGuard, tuple[tuple[float, int], list[dict[str, Any]]]] = {}
+# Signals to guards that arrived while this thread was inside a guard's operation, handled at
+# its end (handlers run in the main thread only).
+_busy = threading.local()
+_PENDING_SIGNALS: list[tuple[RestoreGuard, int, FrameType | None, _Handler]] = []
 
-    ``None`` when no such journal (other than ``exclude``) records one.
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's changes (its journals speak for them), nor its locks."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    _REGISTRY.clear()
+    _PENDING_SIGNALS.clear()
+    _busy.depth = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def _holding_signals() -> Iterator[None]:
+    """Hold back signals to guards that arrive in this thread until the outermost such block ends.
+
+    Handling one in the middle would restore a GPU while a change is half made, or take a
+    lock that this thread holds.
     """
+    _busy.depth = getattr(_busy, "depth", 0) + 1
     try:
-        paths = [p for p in directory.glob("*.json") if p != exclude]
+        yield
+    finally:  # also when the operation failed
+        _busy.depth -= 1
+        if _busy.depth == 0 and threading.current_thread() is threading.main_thread():
+            pending = _PENDING_SIGNALS[:]
+            _PENDING_SIGNALS.clear()
+            for guard, signum, frame, prev in pending:
+                guard._on_signal(signum, frame, prev)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """Serialize changes, restores and recoveries of GPUs (several ranks of a job start at once).
+
+    Within this process for every directory (its guards see each other whatever their
+    directories), and among the processes of this host through a lock file in ``directory``.
+    """
+    with _holding_signals(), _LOCK:
+        f = None
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                directory.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                f = open(directory / ".recover.lock", "a")
+        if f is None:
+            yield
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """A change of one GPU that a running guard (not the one asking) has not restored yet."""
+
+    who: str
+    age: tuple[float, int]
+    original_power_limit_w: float | None
+    applied_power_limit_w: float | None
+    applied_at: float
+    sm_clock_locked: bool
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _holder(who: str, age: tuple[float, int], entry: dict[str, Any]) -> _Holder:
+    at = _number(entry.get("applied_at"))
+    return _Holder(who, age, _number(entry.get("power_limit_w")), _number(entry.get("applied_power_limit_w")),
+                   -math.inf if at is None else at, bool(entry.get("sm_clock_locked")))
+
+
+def _live_holders(directory: Path, uuid: str, guard: RestoreGuard | None = None) -> list[_Holder]:
+    """What running guards other than ``guard`` hold changed on GPU ``uuid``.
+
+    The other guards of this process, whatever their journal directories, and the journals in
+    ``directory`` of the other running processes of this host.
+    """
+    with _LOCK:
+        mine = [held for g, held in list(_REGISTRY.items()) if g is not guard]
+    found = [_holder("another joules guard in this process", age, e)
+             for age, entries in mine for e in entries if e["uuid"] == uuid]
+    try:
+        paths = sorted(directory.glob("*.json"))
     except OSError:
-        return None
-    host = _hostname()
-    best: tuple[tuple[float, int], float] | None = None
+        return found
+    host, me = _hostname(), os.getpid()
     for path in paths:
         try:
             data = json.loads(path.read_text())
             j_host, pid, start, entries = _parse_journal(data)
         except (OSError, ValueError):
             continue
-        if j_host != host or not process_alive(pid, start):
-            continue
-        for e in entries:
-            limit = e.get("power_limit_w")
-            if e["uuid"] == uuid and limit is not None:
-                age = _journal_age(data, path)
-                if best is None or age < best[0]:
-                    best = (age, float(limit))
-    return None if best is None else best[1]
+        if j_host != host or pid == me or not process_alive(pid, start):
+            continue  # this process's own guards are those registered above
+        found += [_holder(f"joules process {pid}", _journal_age(data, path), e)
+                  for e in entries if e["uuid"] == uuid]
+    return found
+
+
+def _power_heir(holders: list[_Holder]) -> _Holder | None:
+    """Of the running guards that hold a GPU's power limit changed, the one that set it last."""
+    changed = [h for h in holders if h.original_power_limit_w is not None]
+    return max(changed, key=lambda h: h.applied_at) if changed else None
+
+
+def _handed_over(heir: _Holder) -> str:
+    """What is said when a GPU's power limit is left to ``heir``."""
+    kept = ("as it is" if heir.applied_power_limit_w is None
+            else f"at {heir.applied_power_limit_w:g} W, the limit it set")
+    return (f"power limit left {kept} for {heir.who}, which changed it too and still runs "
+            f"(it puts back {heir.original_power_limit_w:g} W)")
 
 
 @dataclass(frozen=True)
@@ -201,7 +321,8 @@ class Change:
         original_power_limit_w: The limit the GPU had before the guard first changed it (or
             before a running guard that had changed it already did), or ``None`` when the
             guard has not changed the limit.
-        sm_clock_locked: Whether the guard locked the SM clock (restore resets it).
+        sm_clock_locked: Whether the guard locked the SM clock (restore resets it, unless
+            another running guard has it locked too).
 
     """
 
@@ -218,19 +339,25 @@ class _Entry:
     def __init__(self, gpu: GPU) -> None:
         self.gpu = gpu
         self.original_power_limit_w: float | None = None
+        self.applied_power_limit_w: float | None = None  # the limit set last, and when
+        self.applied_at: float | None = None
         self.sm_clock_locked = False
 
     def empty(self) -> bool:
         return self.original_power_limit_w is None and not self.sm_clock_locked
 
-    def journal(self) -> dict[str, object]:
-        return {
+    def journal(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
             "uuid": self.gpu.uuid,
             "index": self.gpu.index,
             "name": self.gpu.name,
             "power_limit_w": self.original_power_limit_w,
             "sm_clock_locked": self.sm_clock_locked,
         }
+        if self.applied_power_limit_w is not None:
+            data["applied_power_limit_w"] = self.applied_power_limit_w
+            data["applied_at"] = self.applied_at
+        return data
 
 
 class RestoreGuard:
@@ -253,12 +380,15 @@ class RestoreGuard:
     still restore (a signal with Python's default handling then skips them). The hooks act
     only in the process that made the changes, not in children forked from it. Thread-safe.
 
-    The original limit of a GPU is the one it has at the guard's first change, unless a
-    running process of this host (this one included) has a journal in the same directory
-    that records an original for that GPU: then it is that one (the oldest journal's). So
-    when several guards lower one GPU, whichever restores last puts back the limit it had
-    before all of them (one that restores earlier puts it back too, while the others may
-    still want it lowered).
+    The original limit of a GPU is the one it has at the guard's first change, unless
+    another running guard has that GPU's limit changed: another guard of this process
+    (whatever its journal directory), or another running process of this host whose journal
+    is in the same directory. Then it is that guard's original (the oldest one's). Restoring
+    a GPU that such a guard still has changed leaves it to that guard: the limit goes back to
+    the one that guard set last (of several, the latest), and a clock it has locked too stays
+    locked; the hand-over is logged at info level. So when several guards change one GPU,
+    each keeps its setting while it runs, and whichever restores last puts back what the GPU
+    had before all of them.
 
     Args:
         gpus: The GPUs this guard may change; stale journals are recovered for these.
@@ -293,8 +423,6 @@ class RestoreGuard:
         self._atexit_registered = False
         self._prev_handlers: dict[int, _Handler] = {}
         self._handlers_held = 0
-        self._busy_thread: int | None = None
-        self._pending_signals: list[tuple[int, FrameType | None, _Handler]] = []
         self.recovered: list[str] = []
         if recover_stale:
             for line in recover_report(self.gpus, self.journal_dir):
@@ -350,15 +478,16 @@ class RestoreGuard:
     def set_power_limit_w(self, gpu: GPU, watts: float) -> None:
         """Set ``gpu``'s power limit, remembering (and journaling) the limit it had first.
 
-        The limit it had first is its current one, or the original that the journal of a
-        running process that changed it already records (see the class description).
+        The limit it had first is its current one, or the original of a running guard that
+        changed it already (see the class description). The journal also records ``watts``
+        as the limit set last, for a guard that restores while this one runs.
 
         Raises:
             ValueError: ``watts`` is outside the GPU's range (nothing is changed).
             DevicePermissionError: No permission (nothing is changed or left in the journal).
         """
         gpu.check_power_limit(watts)
-        with self._critical():
+        with self._critical(), _directory_lock(self.journal_dir):
             entry = self._entries.get(gpu.uuid)
             recorded = entry is None or entry.original_power_limit_w is None
             if recorded:
@@ -366,15 +495,18 @@ class RestoreGuard:
                 if entry is None:
                     entry = self._entries[gpu.uuid] = _Entry(gpu)
                 entry.original_power_limit_w = original
-                self._write_journal()
-            self._register()  # also again after a restore that left something to restore
             assert entry is not None
+            before = entry.applied_power_limit_w, entry.applied_at
+            entry.applied_power_limit_w, entry.applied_at = float(watts), time.time()
+            self._write_journal()
+            self._register()  # also again after a restore that left something to restore
             try:
                 gpu.set_power_limit_w(watts)
             except (JoulesError, ValueError):  # the device refused: it is unchanged
                 if recorded:
                     entry.original_power_limit_w = None
-                    self._forget(entry)
+                entry.applied_power_limit_w, entry.applied_at = before
+                self._forget(entry)
                 raise
 
     def lock_sm_clock(self, gpu: GPU, min_mhz: float, max_mhz: float) -> None:
@@ -387,26 +519,31 @@ class RestoreGuard:
         with self._critical():
             entry = self._entries.get(gpu.uuid)
             recorded = entry is None or not entry.sm_clock_locked
-            if recorded:
-                if entry is None:
-                    entry = self._entries[gpu.uuid] = _Entry(gpu)
-                entry.sm_clock_locked = True
-                self._write_journal()
-            self._register()
-            assert entry is not None
-            try:
-                gpu.lock_sm_clock(min_mhz, max_mhz)
-            except (JoulesError, ValueError):
+            # Only a first lock waits for the journal directory: one that restores meanwhile
+            # must see it. Later locks (a pipeline's, often) do not.
+            with _directory_lock(self.journal_dir) if recorded else contextlib.nullcontext():
                 if recorded:
-                    entry.sm_clock_locked = False
-                    self._forget(entry)
-                raise
+                    if entry is None:
+                        entry = self._entries[gpu.uuid] = _Entry(gpu)
+                    entry.sm_clock_locked = True
+                    self._write_journal()
+                self._register()
+                assert entry is not None
+                try:
+                    gpu.lock_sm_clock(min_mhz, max_mhz)
+                except (JoulesError, ValueError):
+                    if recorded:
+                        entry.sm_clock_locked = False
+                        self._forget(entry)
+                    raise
 
     def restore(self) -> list[str]:
         """Put every changed GPU back; idempotent.
 
-        Resets the clocks the guard locked and sets the original power limits. An error on
-        one GPU does not stop the others: each is logged as a warning and returned, and
+        Resets the clocks the guard locked and sets the original power limits; a GPU that
+        another running guard still has changed is left to it (see the class description:
+        its limit goes back to the one that guard set last, a clock it locked too stays
+        locked). An error on one GPU does not stop the others: each is logged as a warning and returned, and
         what could not be restored stays in the journal (for ``joules restore`` later) and
         in the guard (a later call tries again; the ``atexit`` hook and signal handlers stay
         for it). Once nothing is left, the journal file is removed and the ``atexit`` hook
@@ -418,26 +555,13 @@ class RestoreGuard:
         """
         errors: list[str] = []
         with self._critical():
-            for uuid, entry in list(self._entries.items()):
-                gpu = entry.gpu
-                if entry.sm_clock_locked:
-                    try:
-                        gpu.reset_sm_clock()
-                        entry.sm_clock_locked = False
-                    except Exception as e:  # noqa: BLE001 - go on with the other GPUs
-                        errors.append(f"GPU {gpu.index} ({gpu.uuid}): could not reset the SM clock: {e}")
-                if entry.original_power_limit_w is not None:
-                    try:
-                        gpu.set_power_limit_w(entry.original_power_limit_w)
-                        entry.original_power_limit_w = None
-                    except Exception as e:  # noqa: BLE001 - go on with the other GPUs
-                        errors.append(
-                            f"GPU {gpu.index} ({gpu.uuid}): could not restore the power limit "
-                            f"{entry.original_power_limit_w:g} W: {e}"
-                        )
-                if entry.empty():
-                    del self._entries[uuid]
-            self._write_journal()
+            # Each guard's journal (and registration) is updated before another one restores.
+            with _directory_lock(self.journal_dir) if self._entries else contextlib.nullcontext():
+                for uuid, entry in list(self._entries.items()):
+                    errors += self._restore_entry(entry)
+                    if entry.empty():
+                        del self._entries[uuid]
+                self._write_journal()
             if not self._entries:
                 self._unregister()
         for line in errors:
@@ -457,20 +581,40 @@ class RestoreGuard:
 
         Handling it in the middle would restore a GPU while its change is half made.
         """
-        pending: list[tuple[int, FrameType | None, _Handler]] = []
-        try:
-            with self._lock:
-                outermost = self._busy_thread is None
-                self._busy_thread = threading.get_ident()
+        with _holding_signals(), self._lock:
+            yield
+
+    def _restore_entry(self, entry: _Entry) -> list[str]:
+        """Put one GPU back, or leave it to a running guard that has it changed too; the errors."""
+        gpu = entry.gpu
+        label = f"GPU {gpu.index} ({gpu.uuid})"
+        errors: list[str] = []
+        holders = _live_holders(self.journal_dir, gpu.uuid, self)
+        if entry.sm_clock_locked:
+            other = next((h for h in holders if h.sm_clock_locked), None)
+            if other is not None:
+                logger.info("joules: %s: SM clock left locked for %s, which locked it too and "
+                            "still runs", label, other.who)
+                entry.sm_clock_locked = False
+            else:
                 try:
-                    yield
-                finally:
-                    if outermost:
-                        self._busy_thread = None
-                        pending, self._pending_signals = self._pending_signals, []
-        finally:  # also when the change failed
-            for signum, frame, prev in pending:
-                self._on_signal(signum, frame, prev)
+                    gpu.reset_sm_clock()
+                    entry.sm_clock_locked = False
+                except Exception as e:  # noqa: BLE001 - go on with the other GPUs
+                    errors.append(f"{label}: could not reset the SM clock: {e}")
+        if entry.original_power_limit_w is not None:
+            heir = _power_heir(holders)
+            target = entry.original_power_limit_w if heir is None else heir.applied_power_limit_w
+            try:
+                if target is not None:
+                    gpu.set_power_limit_w(target)
+            except Exception as e:  # noqa: BLE001 - go on with the other GPUs
+                errors.append(f"{label}: could not restore the power limit {target:g} W: {e}")
+            else:
+                if heir is not None:
+                    logger.info("joules: %s: %s", label, _handed_over(heir))
+                entry.original_power_limit_w = entry.applied_power_limit_w = entry.applied_at = None
+        return errors
 
     def _original_power_limit_w(self, gpu: GPU) -> float:
         """The limit to put back on ``gpu``: its current one, or a running guard's original.
@@ -479,12 +623,17 @@ class RestoreGuard:
         change seen here already has its journal.
         """
         current = gpu.power_limit_w()
-        original = _live_original_power_limit_w(self.journal_dir, gpu.uuid, self._journal)
-        if original is None or original == current:
+        changed = [h for h in _live_holders(self.journal_dir, gpu.uuid, self)
+                   if h.original_power_limit_w is not None]
+        if not changed:
             return current
-        logger.info("joules: GPU %d (%s) is at %g W, lowered by a running joules job whose journal "
-                    "records %g W before; restoring puts back %g W", gpu.index, gpu.uuid, current,
-                    original, original)
+        oldest = min(changed, key=lambda h: h.age)
+        original = oldest.original_power_limit_w
+        assert original is not None
+        if original != current:
+            logger.info("joules: GPU %d (%s) is at %g W, changed by %s, which still runs and "
+                        "records %g W before; restoring puts back %g W", gpu.index, gpu.uuid,
+                        current, oldest.who, original, original)
         return original
 
     def _forget(self, entry: _Entry) -> None:
@@ -496,25 +645,37 @@ class RestoreGuard:
             self._unregister()
 
     def _write_journal(self) -> None:
-        """Write the journal of what is left to restore, or remove it when nothing is."""
+        """Write the journal of what is left to restore, or remove it when nothing is.
+
+        The other guards of this process see it at once (through the registry), whether or
+        not the file can be written.
+        """
+        if self._entries and self._journal is None:
+            host = re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
+            self._journal = self.journal_dir / f"{host}-{os.getpid()}-{self._id}.json"
+            self._created = time.time()
+        entries = [e.journal() for e in self._entries.values()]
+        start = process_start_time(os.getpid())
+        with _LOCK:
+            if entries:
+                _REGISTRY[self] = ((self._created or 0.0, start or 0), entries)
+            else:
+                _REGISTRY.pop(self, None)
         try:
-            if not self._entries:
+            if not entries:
                 if self._journal is not None:
                     self._journal.unlink(missing_ok=True)
                     self._journal = None
                 return
-            if self._journal is None:
-                host = re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
-                self._journal = self.journal_dir / f"{host}-{os.getpid()}-{self._id}.json"
-                self._created = time.time()
+            assert self._journal is not None
             _write_json_atomic(self._journal, {
                 "format": JOURNAL_FORMAT,
                 "host": _hostname(),
                 "pid": os.getpid(),
-                "process_start_time": process_start_time(os.getpid()),
+                "process_start_time": start,
                 "created": self._created,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "gpus": [e.journal() for e in self._entries.values()],
+                "gpus": entries,
             })
         except OSError as e:
             if not self._journal_warned:
@@ -571,8 +732,8 @@ class RestoreGuard:
         # The handler to pass the signal on to is taken now: a restore in progress (whose
         # end handles a deferred signal) uninstalls ours and forgets it.
         prev = self._prev_handlers.get(signum, signal.SIG_DFL)
-        if self._busy_thread == threading.get_ident():
-            self._pending_signals.append((signum, frame, prev))
+        if getattr(_busy, "depth", 0):  # a guard's operation is under way in this thread
+            _PENDING_SIGNALS.append((self, signum, frame, prev))
             return
         self._on_signal(signum, frame, prev)
 
@@ -609,25 +770,6 @@ class RecoveryLine:
     def ok(self) -> bool:
         """Whether nothing here needs a person's attention."""
         return self.kind not in ("failed", "corrupt")
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: Path) -> Iterator[None]:
-    """Serialize recoveries of one journal directory (several ranks of a job start at once)."""
-    if fcntl is None:
-        yield
-        return
-    try:
-        f = open(directory / ".recover.lock", "a")
-    except OSError:
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _parse_journal(data: object) -> tuple[str, int, int | None, list[dict[str, Any]]]:
@@ -680,15 +822,29 @@ def _recover_journal(path: Path, by_uuid: dict[str, GPU], host: str) -> list[Rec
         done: list[str] = []
         failed: list[str] = []
         left = dict(entry)
+        # A running guard that has the GPU changed too keeps it, and puts it back itself.
+        holders = _live_holders(path.parent, gpu.uuid)
         if entry.get("sm_clock_locked"):
+            other = next((h for h in holders if h.sm_clock_locked), None)
             try:
-                gpu.reset_sm_clock()
-                done.append("SM clock unlocked")
+                if other is None:
+                    gpu.reset_sm_clock()
+                done.append("SM clock unlocked" if other is None else
+                            f"SM clock left locked for {other.who}, which locked it too and still runs")
                 left["sm_clock_locked"] = False
             except Exception as e:  # noqa: BLE001 - report and keep the entry
                 failed.append(f"could not reset the SM clock: {e}")
         original = entry.get("power_limit_w")
-        if original is not None:
+        heir = _power_heir(holders)
+        if original is not None and heir is not None:
+            try:
+                if heir.applied_power_limit_w is not None:
+                    gpu.set_power_limit_w(heir.applied_power_limit_w)
+                done.append(_handed_over(heir))
+                left["power_limit_w"] = None
+            except Exception as e:  # noqa: BLE001 - report and keep the entry
+                failed.append(f"could not set the power limit {heir.applied_power_limit_w:g} W: {e}")
+        elif original is not None:
             try:
                 before: float | None = gpu.power_limit_w()
             except Exception:  # noqa: BLE001 - only for the message
@@ -749,7 +905,10 @@ def recover(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -> list[
     gone, a zombie, or now belongs to a process started at another time), the GPUs among
     ``gpus`` it names (matched by UUID) get their clocks reset and their original power
     limits back; journals are handled from the newest to the oldest, so where several name
-    one GPU, the oldest one's original limit is the one it keeps. A journal is deleted once
+    one GPU, the oldest one's original limit is the one it keeps. A GPU that a running guard
+    still has changed (another process's journal in ``journal_dir``, or a guard of this
+    process) is left to it instead: its clock stays locked if that guard locked it, and its
+    limit goes back to the one that guard set last. A journal is deleted once
     every GPU in it was handled; GPUs not among ``gpus`` (another container, other visible
     devices) stay in it. Journals of running processes and of other hosts are left alone;
     unreadable ones are reported and kept.
