@@ -169,6 +169,42 @@ def test_shared_guard_restores_every_stage(tmp_path: Path) -> None:
     assert [g.sm_clock_locked() for g in sim.gpus] == [None, None]
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_clock_reset_through_a_shared_guard_is_locked_again(tmp_path: Path, asynchronous: bool) -> None:
+    sim = Simulator("A100x2")
+    guard = RestoreGuard(sim.gpus, journal_dir=tmp_path, handle_signals=False)
+    a = FrequencyController(sim.gpus[0], PLAN, guard=guard, asynchronous=asynchronous)
+    b = FrequencyController(sim.gpus[1], PLAN, guard=guard, asynchronous=asynchronous)
+    try:
+        for ctl in (a, b):
+            ctl.on_instruction_begin("forward", 1)  # 1200
+            ctl.flush(timeout=10)
+            ctl.on_instruction_end("forward", 1)
+        a.restore()  # e.g. stage 0 pauses between runs: the guard resets both GPUs
+        assert [g.sm_clock_locked() for g in sim.gpus] == [None, None]
+        b_locked_after_restore = b.locked_mhz
+        for ctl in (a, b):
+            assert ctl.on_instruction_begin("backward", 0) == 1200.0  # the clock b had locked before
+            ctl.flush(timeout=10)
+        assert [g.sm_clock_locked() for g in sim.gpus] == [(1200.0, 1200.0)] * 2
+        assert b.stats.locks_skipped == 0 and b.stats.locks_applied == 2
+        assert b_locked_after_restore is None and b.locked_mhz == 1200.0
+        b.on_instruction_end("backward", 0)
+        guard.restore()  # the guard's own restore too
+        assert b.on_instruction_begin("forward", 1) == 1200.0
+        b.flush(timeout=10)
+        assert sim.gpus[1].sm_clock_locked() == (1200.0, 1200.0)
+        assert b.stats.locks_skipped == 0
+        b.on_instruction_end("forward", 1)
+        assert b.on_instruction_begin("backward", 0) == 1200.0  # nothing reset it: skipped
+        assert b.stats.locks_skipped == 1
+        a.close()
+        b.close()
+        assert [g.sm_clock_locked() for g in sim.gpus] == [None, None]
+    finally:
+        a.restore()
+        b.restore()
+
 def test_lookup_by_computation_tolerates_another_order(sim: Simulator, tmp_path: Path) -> None:
     gpu = sim.gpus[0]
     with FrequencyController(gpu, PLAN, journal_dir=tmp_path) as ctl:
@@ -240,6 +276,28 @@ def test_from_frontier_and_from_rank_file(sim: Simulator, tmp_path: Path) -> Non
     (tmp_path / "bad.json").write_text(json.dumps({"stage": 0}))
     with pytest.raises(PlanError, match="instructions"):
         FrequencyController.from_file(tmp_path / "bad.json", sim.gpus[0], dry_run=True)
+
+
+def test_from_rank_file_checks_the_stage(sim: Simulator, tmp_path: Path) -> None:
+    dag = build_dag("1f1b", 2, 2)
+    profile = synthetic_profile(2)
+    fast = evaluate(dag, profile, [1410] * len(dag.nodes), 85.0)
+    frontier = Frontier(dag, [fast], fast, 85.0, 0.001)
+    frontier.save(tmp_path)
+    ctl = FrequencyController.from_file(tmp_path / "rank1.json", sim.gpus[1], stage=1, dry_run=True)
+    assert [i.to_dict() for i in ctl.instructions] == frontier.rank_plan(fast, 1)
+    with pytest.raises(PlanMismatchError, match=r"rank0\.json is the plan of stage 0, but this rank runs "
+                                                r"stage 1; load rank1\.json"):
+        FrequencyController.from_file(tmp_path / "rank0.json", sim.gpus[1], stage=1, dry_run=True)
+    (tmp_path / "list.json").write_text(json.dumps(frontier.rank_plan(fast, 1)))
+    with pytest.raises(PlanMismatchError, match=r"list\.json records no stage"):
+        FrequencyController.from_file(tmp_path / "list.json", sim.gpus[1], stage=1, dry_run=True)
+    unchecked = FrequencyController.from_file(tmp_path / "list.json", sim.gpus[1], dry_run=True)
+    assert len(unchecked.instructions) == 4
+    odd = {"stage": "1", "instructions": frontier.rank_plan(fast, 1)}
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    with pytest.raises(PlanError, match="malformed stage '1'"):
+        FrequencyController.from_file(tmp_path / "odd.json", sim.gpus[1], stage=1, dry_run=True)
 
 
 # -- real processes: what a job leaves when it ends, is stopped, or is killed -----------------
@@ -374,6 +432,84 @@ def test_asynchronous_permission_error_reaches_the_training_thread(tmp_path: Pat
         ctl.flush(timeout=10)
     assert locked.sm_clock_locked() is None
     ctl.restore()
+
+
+def _fail_at(ctl: FrequencyController, mhz: float, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Make ``ctl``'s locks to ``mhz`` fail as without permission; the event returned is set at each try."""
+    import threading
+
+    assert ctl.guard is not None
+    tried = threading.Event()
+    real = ctl.guard.lock_sm_clock
+
+    def lock(g, lo, hi):  # type: ignore[no-untyped-def]
+        if lo == mhz:
+            tried.set()
+            raise DevicePermissionError(f"GPU {g.index}: no permission to change SM clocks")
+        real(g, lo, hi)
+
+    monkeypatch.setattr(ctl.guard, "lock_sm_clock", lock)
+    return tried
+
+
+def test_asynchronous_lock_failing_last_is_raised_at_the_end_of_the_with_block(
+        sim: Simulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = sim.gpus[0]
+    with pytest.raises(DevicePermissionError, match="no permission"):
+        with FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True) as ctl:
+            tried = _fail_at(ctl, 1200.0, monkeypatch)
+            ctl.on_instruction_begin("forward", 0)
+            ctl.flush(timeout=10)
+            assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+            ctl.on_instruction_begin("forward", 1)  # the last lock: fails in the background
+            assert tried.wait(10)
+    assert gpu.sm_clock_locked() is None  # reset all the same
+    assert journals(tmp_path) == []
+    assert ctl._thread is None
+    assert ctl.close() == []  # raised once
+
+
+def test_asynchronous_lock_failure_at_close_and_end_of_instruction(
+        sim: Simulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = sim.gpus[0]
+    ctl = FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True)
+    try:
+        tried = _fail_at(ctl, 1200.0, monkeypatch)
+        ctl.on_instruction_begin("forward", 0)
+        ctl.flush(timeout=10)
+        ctl.on_instruction_end("forward", 0)
+        ctl.on_instruction_begin("forward", 1)
+        assert tried.wait(10)
+        with ctl._cond:
+            assert ctl._cond.wait_for(lambda: ctl._error is not None, 10)
+        with pytest.raises(DevicePermissionError):
+            ctl.on_instruction_end("forward", 1)
+        tried.clear()
+        ctl.on_instruction_begin("forward", 0)  # the error was raised once: the controller goes on
+        ctl.on_instruction_begin("forward", 1)
+        assert tried.wait(10)
+        with pytest.raises(DevicePermissionError):
+            ctl.close()
+        assert gpu.sm_clock_locked() is None and journals(tmp_path) == []
+    finally:
+        ctl.restore()
+
+
+def test_asynchronous_lock_failure_does_not_hide_the_blocks_own_exception(
+        sim: Simulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    gpu = sim.gpus[0]
+    with pytest.raises(RuntimeError, match="training crashed"):
+        with FrequencyController(gpu, PLAN, journal_dir=tmp_path, asynchronous=True) as ctl:
+            tried = _fail_at(ctl, 1200.0, monkeypatch)
+            ctl.on_instruction_begin("forward", 0)
+            ctl.flush(timeout=10)
+            ctl.on_instruction_begin("forward", 1)
+            assert tried.wait(10)
+            raise RuntimeError("training crashed")
+    assert gpu.sm_clock_locked() is None
+    assert "a clock lock also failed in the background" in caplog.text
+    assert "no permission" in caplog.text
 
 
 ASYNC_CHILD = textwrap.dedent("""

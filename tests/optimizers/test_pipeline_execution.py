@@ -146,6 +146,29 @@ def test_given_controllers_run_the_plan_and_are_left_to_their_owner(setup, tmp_p
     assert [g.sm_clock_locked() for g in sim.gpus] == [None] * STAGES
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_asynchronous_controllers_run_the_plan_as_evaluated(setup, tmp_path, schedule: str) -> None:
+    sim, work, profile, pb = setup
+    dag = build_dag(schedule, STAGES, 4)
+    cheap = cheaper_same_time(dag, profile, pb)
+    expected = evaluate(dag, profile, cheap.frequencies, pb)
+    synchronous = execute(dag, cheap, sim, work, iterations=2)
+    for attempt in range(3):  # the same every time, whenever the background locks land
+        guard = RestoreGuard(sim.gpus, journal_dir=tmp_path / str(attempt), handle_signals=False)
+        ctls = [FrequencyController(g, ins, guard=guard, asynchronous=True)
+                for g, ins in zip(sim.gpus, stage_instructions(dag, cheap.frequencies), strict=True)]
+        try:
+            r = execute(dag, None, sim, work, controllers=ctls, iterations=2)
+        finally:
+            for c in ctls:
+                c.close()
+        assert r.time_per_iteration_s == pytest.approx(expected.time_s, rel=1e-9)
+        assert r.energy_per_iteration_j == pytest.approx(expected.energy_j, rel=1e-9)
+        assert r.iteration_time_s == pytest.approx(synchronous.iteration_time_s, rel=1e-12)
+        assert r.gpu_energy_j == pytest.approx(synchronous.gpu_energy_j, rel=1e-12)
+    assert [g.sm_clock_locked() for g in sim.gpus] == [None] * STAGES
+
+
 def test_dry_run_controllers_run_everything_at_the_top_clock(setup) -> None:
     sim, work, profile, pb = setup
     dag = build_dag("gpipe", STAGES, 4)

@@ -111,6 +111,41 @@ def test_profile_errors_name_the_line_and_field(tmp_path, text, message) -> None
         PipelineProfile.from_csv(path)
 
 
+def test_profile_errors_name_the_line_of_the_file_past_blank_lines(tmp_path) -> None:
+    path = tmp_path / "blank.csv"
+    path.write_text(
+        "stage,instruction,frequency,time,energy\n"  # line 1
+        "0,forward,1410,0.03,6\n"  # 2
+        "\n\n"  # 3, 4
+        "0,backward,1410,0.06,12\n"  # 5
+        "0,backward,1200,0.07,abc\n"  # 6
+    )
+    with pytest.raises(PipelineProfileError, match=r"blank\.csv, line 6: energy 'abc' is not a number"):
+        PipelineProfile.from_csv(path)
+    path.write_bytes("stage,instruction,frequency,time,energy\r\n\r\n0,forward,x,1,1\r\n".encode("utf-8-sig"))
+    with pytest.raises(PipelineProfileError, match="line 3: frequency 'x'"):
+        PipelineProfile.from_csv(path)
+
+
+def test_profile_frequencies_are_rounded_to_the_nearest_mhz(tmp_path) -> None:
+    path = tmp_path / "p.csv"
+    path.write_text(
+        "stage,instruction,frequency,time,energy\n"
+        "0,forward,1410,0.030,6.0\n"
+        "0,forward,1410.9,0.050,60.0\n"  # 1411 MHz: another clock, not averaged with 1410
+        "0,forward,1409.9999,0.032,5.8\n"  # 1410 MHz: a repeat of the first row, averaged
+        "0,backward,1410,0.060,12.0\n"
+    )
+    p = PipelineProfile.from_csv(path)
+    assert p.of(0, "forward") == (Option(1410, pytest.approx(0.031), pytest.approx(5.9)),
+                                  Option(1411, 0.05, 60.0))
+    assert all(type(o.frequency) is int for o in p.of(0, "forward"))
+    rows = [(0, "forward", 1410.9, 0.05, 60.0), (0, "forward", 1411, 0.07, 80.0),
+            (0, "forward", 1409.6, 0.03, 6.0)]
+    assert PipelineProfile.from_rows(rows).of(0, "forward") == (
+        Option(1410, 0.03, 6.0), Option(1411, pytest.approx(0.06), pytest.approx(70.0)))
+
+
 def test_profile_with_a_byte_order_mark_reads_and_other_encodings_are_named(tmp_path) -> None:
     path = tmp_path / "excel.csv"
     path.write_bytes("stage,instruction,frequency,time,energy\n0,forward,1410,0.1,30\n".encode("utf-8-sig"))

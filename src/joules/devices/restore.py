@@ -442,6 +442,14 @@ class RestoreGuard:
                 for e in self._entries.values()
             ]
 
+    def holds_sm_clock(self, gpu: GPU) -> bool:
+        """Whether this guard has ``gpu``'s SM clock locked and not yet reset (no device call).
+
+        Lock-free: one dictionary lookup, cheap enough to check before every computation.
+        """
+        entry = self._entries.get(gpu.uuid)
+        return entry is not None and entry.sm_clock_locked
+
     @property
     def journal_path(self) -> Path | None:
         """The journal file while there is something to restore, else ``None``."""

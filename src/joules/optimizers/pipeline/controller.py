@@ -218,7 +218,9 @@ class FrequencyController:
             :meth:`Frontier.rank_plan <joules.optimizers.pipeline.frontier.Frontier.rank_plan>`
             returns them (or :class:`Instruction` objects).
         guard: The :class:`RestoreGuard` every lock goes through (default: a new one over
-            ``gpu``). :meth:`restore` restores the guard, i.e. every GPU it changed.
+            ``gpu``). :meth:`restore` restores the guard, i.e. every GPU it changed: the
+            other controllers sharing the guard then lock their clock again at their next
+            instruction, even one at the frequency they had locked.
         dry_run: Never touch the GPU: record in :attr:`records` the locks that would be made.
         strict: Raise :class:`PlanMismatchError` when computations begin or end out of the
             plan's order (by default they are looked up by ``(computation, microbatch)``, and
@@ -231,7 +233,10 @@ class FrequencyController:
             :meth:`on_instruction_begin` never waits for the driver: it only posts the clock
             wanted, and the thread applies the latest one (a clock superseded before it was
             applied is dropped, counted in ``stats.locks_dropped``). An error there (e.g. no
-            permission) is raised by the next call. :meth:`flush` waits until the clock wanted
+            permission) is raised by the next call (:meth:`on_instruction_begin`,
+            :meth:`on_instruction_end`, :meth:`flush`), else by :meth:`close` or at the end of
+            the ``with`` block, once the clock is reset (when the block raised, its exception
+            goes on and this error is logged). :meth:`flush` waits until the clock wanted
             is in place; :meth:`restore` stops the thread first. The guard's SIGINT/SIGTERM
             handlers are installed when the controller is created (it must be created in the
             main thread for that), and kept until :meth:`close` or the end of the ``with``
@@ -312,11 +317,25 @@ class FrequencyController:
         return cls(gpu, frontier.rank_plan(plan, stage), **kwargs)  # type: ignore[arg-type]
 
     @classmethod
-    def from_file(cls, path: str | Path, gpu: GPU, **kwargs: object) -> FrequencyController:
+    def from_file(
+        cls, path: str | Path, gpu: GPU, *, stage: int | None = None, **kwargs: object
+    ) -> FrequencyController:
         """A controller from a ``rank{stage}.json`` file :meth:`Frontier.save` writes (or a JSON list).
+
+        Args:
+            path: The file.
+            gpu: This rank's GPU.
+            stage: This rank's pipeline stage. Recommended: the stage the file records
+                must then be this one, so that a rank that loads another rank's file (e.g.
+                its local rank's instead of its stage's) gets an error instead of running
+                another stage's frequencies. ``None`` checks nothing (a plain JSON list of
+                instructions records no stage, so it can only be loaded that way).
+            **kwargs: Passed on to the constructor (``guard``, ``dry_run``, ...).
 
         Raises:
             PlanError: Missing or malformed file.
+            PlanMismatchError: The file is another stage's plan, or records no stage to
+                check ``stage`` against.
         """
         path = Path(path)
         try:
@@ -328,6 +347,20 @@ class FrequencyController:
         instructions = data.get("instructions") if isinstance(data, dict) else data
         if not isinstance(instructions, list):
             raise PlanError(f"{path}: expected a list of instructions or an object with 'instructions'")
+        if stage is not None:
+            recorded = data.get("stage") if isinstance(data, dict) else None
+            if recorded is None:
+                raise PlanMismatchError(
+                    f"{path} records no stage, so it cannot be checked against stage {stage}; "
+                    "load it with stage=None to skip the check"
+                )
+            if isinstance(recorded, bool) or not isinstance(recorded, int):
+                raise PlanError(f"{path}: malformed stage {recorded!r} (expected an integer)")
+            if recorded != stage:
+                raise PlanMismatchError(
+                    f"{path} is the plan of stage {recorded}, but this rank runs stage {stage}; "
+                    f"load rank{stage}.json of the same plan directory"
+                )
         return cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
 
     # -- state ------------------------------------------------------------------------------
@@ -338,8 +371,28 @@ class FrequencyController:
 
     @property
     def locked_mhz(self) -> float | None:
-        """The clock this controller has locked (would have, in a dry run), or ``None``."""
-        return self._locked_mhz
+        """The clock this controller has locked (would have, in a dry run), or ``None``.
+
+        ``None`` also once the guard has reset the clock, whoever asked it to (e.g. another
+        controller sharing the guard).
+        """
+        mhz = self._locked_mhz
+        return mhz if mhz is not None and self._lock_in_place() else None
+
+    def _lock_in_place(self) -> bool:
+        """Whether the clock this controller locked (or posted) is still locked, or on its way.
+
+        The guard may have reset it behind this controller's back: a :meth:`restore` of
+        another controller sharing the guard, or the guard's own restore. Only the guard's
+        record is read (no device call), so a repeated clock still costs no driver call.
+        """
+        if self.guard is None:  # dry run: nothing to reset
+            return True
+        if self.asynchronous:
+            with self._cond:
+                if self._wanted is not None or self._busy:
+                    return True  # the clock last posted (this one) is being applied
+        return self.guard.holds_sm_clock(self.gpu)
 
     def frequency_of(self, computation: str, microbatch: int) -> float:
         """The supported clock (MHz) the plan runs ``computation`` of ``microbatch`` at.
@@ -389,7 +442,8 @@ class FrequencyController:
     def on_instruction_begin(self, computation: str, microbatch: int) -> float:
         """Lock the SM clock to the planned frequency of ``computation`` of ``microbatch``.
 
-        The lock is skipped when that clock is already locked.
+        The lock is skipped when that clock is already locked (and its guard has not reset
+        it since, e.g. through another controller sharing the guard).
 
         Returns:
             The clock locked (MHz).
@@ -416,7 +470,7 @@ class FrequencyController:
         self._running = (kind, int(microbatch))
         self.stats.instructions += 1
         mhz = self._snapped[i]
-        if mhz == self._locked_mhz:
+        if mhz == self._locked_mhz and self._lock_in_place():
             self.stats.locks_skipped += 1
             return mhz
         if self.asynchronous:
@@ -462,12 +516,18 @@ class FrequencyController:
                     self._busy = False
                     self._cond.notify_all()
 
+    def _take_pending(self) -> BaseException | None:
+        """The error the background thread hit and no call has raised yet (cleared), or ``None``."""
+        if self._error is None:
+            return None
+        with self._cond:
+            error, self._error = self._error, None
+        return error
+
     def _raise_pending(self) -> None:
-        if self._error is not None:
-            with self._cond:
-                error, self._error = self._error, None
-            if error is not None:
-                raise error
+        error = self._take_pending()
+        if error is not None:
+            raise error
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the clock last asked for is in place (a no-op unless asynchronous).
@@ -500,6 +560,8 @@ class FrequencyController:
         Raises:
             PlanMismatchError: The plan has no such computation (or, when strict, it is not
                 the one that began last).
+            DevicePermissionError: (or what else locking raised) With ``asynchronous``, a
+                lock the background thread failed to make since the last call.
         """
         key = (normalize_kind(computation), int(microbatch))
         i = self._lookup(*key)
@@ -513,6 +575,7 @@ class FrequencyController:
         self._running = None
         if i == len(self._plan) - 1:
             self.stats.iterations += 1
+        self._raise_pending()
 
     def _lock(self, kind: Kind, microbatch: int, mhz: float) -> None:
         if self.dry_run:
@@ -537,7 +600,9 @@ class FrequencyController:
     def restore(self) -> list[str]:
         """Reset the clock through the guard (every GPU the guard changed); idempotent.
 
-        The controller can go on afterwards: the next instruction locks again.
+        The controller can go on afterwards: the next instruction locks again. With
+        ``asynchronous``, an error of the background thread that no call has raised yet is
+        kept for the next call (:meth:`close` raises it).
 
         Returns:
             The guard's error lines (empty when everything was restored, and in a dry run).
@@ -557,7 +622,17 @@ class FrequencyController:
 
         Returns:
             The guard's error lines, as :meth:`restore`.
+
+        Raises:
+            DevicePermissionError: (or what else locking raised) With ``asynchronous``, a
+                lock the background thread failed to make that no call has raised yet; it
+                is raised once the thread has ended and the clock is reset.
         """
+        errors = self._close()
+        self._raise_pending()
+        return errors
+
+    def _close(self) -> list[str]:
         errors = self.restore()
         if self._holds_handlers and self.guard is not None:
             self._holds_handlers = False
@@ -567,12 +642,24 @@ class FrequencyController:
     def __enter__(self) -> FrequencyController:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        """:meth:`close`; a pending error of the background thread is raised unless the block raised.
+
+        When the block raised, its exception goes on, and the pending error is logged.
+        """
+        self._close()
+        error = self._take_pending()
+        if error is None:
+            return
+        if exc is None:
+            raise error
+        log.error("GPU %d: a clock lock also failed in the background: %s: %s",
+                  self.gpu.index, type(error).__name__, error)
 
     def summary(self) -> dict[str, object]:
         """Stats and the current lock, JSON-friendly."""
-        return {"gpu": self.gpu.index, "dry_run": self.dry_run, "locked_mhz": self._locked_mhz,
+        return {"gpu": self.gpu.index, "dry_run": self.dry_run, "locked_mhz": self.locked_mhz,
                 "instructions": len(self._plan), **self.stats.to_dict()}
 
 

@@ -306,7 +306,9 @@ def execute(
         controllers: One controller per stage, on ``sim.gpus[s]``; they are given ``plan``
             (unless it is ``None``) and are not restored at the end. Default: new controllers
             sharing one guard (journaled in a temporary directory, or in the default one when
-            the simulator keeps a state file), restored at the end.
+            the simulator keeps a state file), restored at the end. An ``asynchronous``
+            controller's lock is waited for (:meth:`FrequencyController.flush`) before each
+            computation starts, as the simulated computation takes no wall time.
         iterations: Iterations to run.
         meter: Read energy from ``"true"`` (exact) or ``"counter"`` (the GPUs' energy
             counters, with their coarse update period).
@@ -417,6 +419,10 @@ def _iteration(
         c = dag.nodes[node]
         w = work[s]
         ctls[s].on_instruction_begin(c.kind, c.microbatch)
+        if ctls[s].asynchronous:
+            # The simulated computation takes no wall time: wait for the lock to be in place
+            # before it starts, as the background thread would long have made it on hardware.
+            ctls[s].flush()
         gpus[s].set_workload(Constant(w.utilization))
         dur = gpus[s].step_time_s(w.work_s(c.kind), w.compute_fraction, w.utilization)
         now = clock.now()

@@ -2,8 +2,9 @@
 
 A profile is a CSV file with the header ``stage,instruction,frequency,time,energy``: for
 each stage, each instruction (``forward`` or ``backward``) and each SM frequency (MHz), the
-time (s) and the GPU energy (J) of one computation of one microbatch. Rows measured more than
-once are averaged. :func:`synthetic_profile` makes GPU-like profiles for tests, demos and
+time (s) and the GPU energy (J) of one computation of one microbatch. Frequencies are
+rounded to the nearest whole MHz; rows of one stage and instruction at the same frequency
+(measured more than once) are averaged. :func:`synthetic_profile` makes GPU-like profiles for tests, demos and
 benchmarks.
 """
 
@@ -105,12 +106,16 @@ class PipelineProfile:
 
     @classmethod
     def from_rows(
-        cls, rows: Iterable[tuple[int, str, int, float, float]], name: str = "profile"
+        cls, rows: Iterable[tuple[int, str, float, float, float]], name: str = "profile"
     ) -> PipelineProfile:
-        """Build from ``(stage, instruction, frequency, time_s, energy_j)`` rows; repeats are averaged."""
+        """Build from ``(stage, instruction, frequency, time_s, energy_j)`` rows.
+
+        Frequencies are rounded to the nearest whole MHz; rows of one stage and instruction at
+        the same (rounded) frequency are repeated measurements, averaged.
+        """
         sums: dict[tuple[int, str, int], list[float]] = {}
         for stage, instruction, frequency, time_s, energy_j in rows:
-            acc = sums.setdefault((stage, instruction, frequency), [0.0, 0.0, 0.0])
+            acc = sums.setdefault((stage, instruction, int(round(frequency))), [0.0, 0.0, 0.0])
             acc[0] += time_s
             acc[1] += energy_j
             acc[2] += 1
@@ -118,7 +123,7 @@ class PipelineProfile:
             raise PipelineProfileError(f"profile {name!r} has no rows")
         grouped: dict[tuple[int, str], list[Option]] = {}
         for (stage, instruction, frequency), (t, e, n) in sums.items():
-            option = Option(int(frequency), float(t / n), float(e / n))  # plain numbers, even from numpy
+            option = Option(frequency, float(t / n), float(e / n))  # plain numbers, even from numpy
             grouped.setdefault((stage, instruction), []).append(option)
         return cls({k: tuple(sorted(v)) for k, v in sorted(grouped.items())}, name=name)
 
@@ -147,9 +152,12 @@ class PipelineProfile:
     def from_csv(cls, path: str | Path) -> PipelineProfile:
         """Read a ``stage,instruction,frequency,time,energy`` CSV file.
 
+        Frequencies are rounded to the nearest whole MHz, and rows at the same one averaged
+        (see :meth:`from_rows`); blank lines are skipped.
+
         Raises:
             PipelineProfileError: The file is missing, a column is missing, or a row is bad
-                (the message names the line and the field).
+                (the message names the field and the row's line in the file).
         """
         path = Path(path)
         if not path.is_file():
@@ -165,9 +173,10 @@ class PipelineProfile:
                     raise PipelineProfileError(
                         f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
                     )
-                for line, raw in enumerate(reader, start=2):
+                for raw in reader:
                     row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
-                    rows.append(_parse_row(path, line, row))
+                    # The file's own line number (blank lines are skipped, yet counted).
+                    rows.append(_parse_row(path, reader.line_num, row))
             except UnicodeDecodeError as e:
                 raise PipelineProfileError(
                     f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})"
@@ -198,8 +207,9 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
     if instruction not in KINDS:
         raise bad("instruction", f"is not one of {', '.join(KINDS)}")
     try:
-        frequency = int(float(row["frequency"]))
-    except (ValueError, OverflowError):  # OverflowError: inf
+        # The nearest whole MHz (as StageProfiler records it): 1409.9999 is 1410, 1410.9 is 1411.
+        frequency = int(round(float(row["frequency"])))
+    except (ValueError, OverflowError):  # ValueError: nan; OverflowError: inf
         raise bad("frequency", "is not a finite number") from None
     if frequency <= 0:
         raise bad("frequency", "must be positive")
