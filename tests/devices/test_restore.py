@@ -383,14 +383,18 @@ def test_restore_that_partly_failed_still_restores_at_exit(
     assert g.power_limit_w() == 400.0 and exit_hooks == []
 
 
+def guards(g: SimGPU, *dirs: Path) -> list[RestoreGuard]:
+    """One guard over ``g`` per journal directory (signal handling off)."""
+    return [RestoreGuard([g], journal_dir=d, handle_signals=False) for d in dirs]
+
+
 @pytest.mark.parametrize("first", ["a", "b"])
 def test_two_guards_on_one_gpu_put_back_the_limit_it_had_before_both(
     sim: Simulator, jdir: Path, first: str
 ) -> None:
     g = sim.gpus[0]
     g.set_power_limit_w(300.0)
-    a = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
-    b = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    a, b = guards(g, jdir, jdir)
     a.set_power_limit_w(g, 200.0)
     b.set_power_limit_w(g, 250.0)  # sees 200 W, but a's journal records 300 W before it
     assert b.changed[0].original_power_limit_w == 300.0
@@ -425,8 +429,7 @@ def test_a_guard_restoring_first_leaves_the_limit_the_other_set(
     g = sim.gpus[0]
     g.set_power_limit_w(300.0)
     dir_a, dir_b = two_dirs(jdir, dirs)
-    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
-    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
+    a, b = guards(g, dir_a, dir_b)
     a.set_power_limit_w(g, 250.0)
     b.set_power_limit_w(g, 200.0)  # sees 250 W; a (whatever its directory) had 300 W before
     assert b.changed[0].original_power_limit_w == 300.0
@@ -450,9 +453,7 @@ def test_the_limit_left_is_the_one_the_running_guard_set_last(
     g = sim.gpus[0]
     g.set_power_limit_w(300.0)
     dir_a, dir_b = two_dirs(jdir, dirs)
-    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
-    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
-    c = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
+    a, b, c = guards(g, dir_a, dir_b, dir_a)
     a.set_power_limit_w(g, 250.0)
     b.set_power_limit_w(g, 200.0)
     c.set_power_limit_w(g, 220.0)
@@ -473,8 +474,7 @@ def test_a_clock_locked_by_another_running_guard_stays_locked(
 ) -> None:
     g = sim.gpus[0]
     dir_a, dir_b = two_dirs(jdir, dirs)
-    a = RestoreGuard([g], journal_dir=dir_a, handle_signals=False)
-    b = RestoreGuard([g], journal_dir=dir_b, handle_signals=False)
+    a, b = guards(g, dir_a, dir_b)
     a.lock_sm_clock(g, 210.0, 900.0)
     a.set_power_limit_w(g, 250.0)
     b.lock_sm_clock(g, 1005.0, 1005.0)
@@ -490,8 +490,7 @@ def test_a_clock_locked_by_another_running_guard_stays_locked(
 def test_a_restore_failing_keeps_the_guard_holding_the_gpu(sim: Simulator, jdir: Path) -> None:
     g = sim.gpus[0]
     g.set_power_limit_w(300.0)
-    a = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
-    b = RestoreGuard([g], journal_dir=jdir, handle_signals=False)
+    a, b = guards(g, jdir, jdir)
     a.set_power_limit_w(g, 250.0)
     b.set_power_limit_w(g, 200.0)
     g.allow_control = False
