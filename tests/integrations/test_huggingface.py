@@ -9,6 +9,7 @@ and energy exactly as it would on real GPUs.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _common import CF, EVAL_WORK_S, PRESET_W, WORK_S, check_profiled_chose_and_restored  # noqa: E402
+from _common import CF, EVAL_WORK_S, PRESET_W, WORK_S, check_profiled_chose_and_restored, truth  # noqa: E402
 
 from joules.devices.sim import Constant, Simulator  # noqa: E402
 from joules.integrations.huggingface import PowerLimitCallback  # noqa: E402
@@ -83,20 +84,24 @@ class SimWork(transformers.TrainerCallback):
         self.sim.run(EVAL_WORK_S, CF)
 
 
-def setup(tmp_path: Path, model: MLP, epochs: int = 20, state_file: str | None = None, **opt_kw):
+def setup(tmp_path: Path, model: MLP, epochs: int = 20, state_file: str | None = None,
+          args_kw: dict | None = None, **opt_kw):
     sim = Simulator("A100", state_file=state_file)
     sim.set_workload(Constant(1.0), cpus=False)
     sim.gpus[0].set_power_limit_w(PRESET_W)
     opt_kw.setdefault("selector", "energy")
-    opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), warmup_steps=2, profile_steps=5,
-                              handle_signals=False, **opt_kw)
+    opt_kw.setdefault("warmup_steps", 2)
+    opt_kw.setdefault("profile_steps", 5)
+    opt_kw.setdefault("handle_signals", False)
+    opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), **opt_kw)
     work = SimWork(sim, opt)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, num_train_epochs=epochs, per_device_train_batch_size=16,
-        per_device_eval_batch_size=16, eval_strategy="steps", eval_steps=7, learning_rate=1e-2,
-        remove_unused_columns=False, dataloader_num_workers=0, seed=0,
-    )
+    args = transformers.TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": [], "save_strategy": "no",
+        "logging_strategy": "no", "disable_tqdm": True, "num_train_epochs": epochs,
+        "per_device_train_batch_size": 16, "per_device_eval_batch_size": 16, "eval_strategy": "steps",
+        "eval_steps": 7, "learning_rate": 1e-2, "remove_unused_columns": False, "dataloader_num_workers": 0,
+        "seed": 0, **(args_kw or {}),
+    })
     trainer = transformers.Trainer(model=model, args=args, train_dataset=RandomData(176),
                                    eval_dataset=RandomData(32, seed=1),
                                    callbacks=[work, PowerLimitCallback(opt)])  # work first
@@ -131,6 +136,79 @@ def test_exception_in_training_restores_the_limit_with_the_optimizer_as_context(
     assert any(limit != PRESET_W for _, limit in work.seen)  # it had been changed
     assert sim.gpus[0].power_limit_w() == PRESET_W
     assert opt.guard.changed == []
+
+
+def test_train_again_after_a_caught_exception_profiles_the_interrupted_limit_again(tmp_path):
+    """A notebook or retry loop: train() raises mid-profiling, is caught, and runs again later."""
+    sim, clean, _, trainer = setup(tmp_path / "clean", MLP())
+    trainer.train()
+
+    model = MLP(fail_after=13)
+    sim, opt, work, trainer = setup(tmp_path, model)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.train()  # no `with optimizer:`: the Trainer calls no callback when it raises
+        assert opt.state is State.PROFILING and sim.gpus[0].power_limit_w() == 375.0
+        sim.advance(300.0)  # the traceback is read, the bug fixed
+        model.fail_after = None
+        trainer.train()
+    finally:
+        opt.restore()
+
+    assert opt.state is State.DONE
+    for limit, p in opt.points.items():  # the idle 300 s are in no point
+        assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-2)
+    assert opt.points[375.0].time_s < 0.21
+    assert opt.chosen_limit_w == clean.chosen_limit_w
+    assert list(opt.points) == list(clean.points)
+    assert sim.gpus[0].power_limit_w() == PRESET_W and opt.guard.changed == []
+
+
+class CtrlC(transformers.TrainerCallback):
+    """Presses Ctrl-C a few steps after the optimizer has chosen its limit, once."""
+
+    def __init__(self, opt: PowerLimitOptimizer) -> None:
+        self.opt, self.done_steps, self.sent = opt, 0, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.opt.state is State.DONE and not self.sent:
+            self.done_steps += 1
+            if self.done_steps == 5:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_train_again_after_ctrl_c_runs_at_the_chosen_limit(tmp_path):
+    sim, opt, work, trainer = setup(tmp_path, MLP(), handle_signals=True)
+    trainer.add_callback(CtrlC(opt))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        assert opt.state is State.DONE and sim.gpus[0].power_limit_w() == PRESET_W  # the guard restored
+        chosen = opt.chosen_limit_w
+        first_run = len(work.seen)
+        trainer.train()  # again, in the same process
+    finally:
+        opt.restore()
+    second = work.seen[first_run:]
+    assert len(second) == 220 and set(second) == {(State.DONE, chosen)}
+    assert sim.gpus[0].power_limit_w() == PRESET_W and opt.guard.changed == []
+
+
+def test_checkpoints_just_before_epoch_ends_do_not_shorten_the_next_warmup(tmp_path):
+    # 11 steps per epoch and a checkpoint every 10 steps: the last pause before an epoch end
+    # can be 1 step before it; every epoch must still start with 4 warm-up steps.
+    args_kw = {"save_strategy": "steps", "save_steps": 10, "save_only_model": True, "eval_strategy": "epoch"}
+    sim, opt, work, trainer = setup(tmp_path, MLP(), epochs=8, args_kw=args_kw, warmup_steps=4,
+                                    profile_steps=30)
+    trainer.train()
+    states = [state for state, _ in work.seen]  # while each step ran
+    assert len(states) == 88 and State.DONE not in states
+    for epoch in range(8):
+        first = states[11 * epoch:11 * epoch + 4]
+        assert first == [State.WARMUP] * 4, (epoch, first)
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-2)
 
 
 CRASHING_JOB = textwrap.dedent("""

@@ -139,3 +139,26 @@ def test_exception_in_training_step_restores_the_limit():
     assert any(limit != PRESET_W for _, limit in work.seen)  # it had been changed
     assert sim.gpus[0].power_limit_w() == PRESET_W
     assert opt.guard.changed == []
+
+
+def test_fit_again_after_an_exception_measures_no_idle_time_and_chooses_as_a_clean_fit():
+    sim, clean, _, trainer = setup()
+    trainer.fit(MLP(), loader(176), loader(32, seed=1))
+
+    sim, opt, work, trainer = setup()
+    model = MLP(fail_after=13)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(model, loader(176), loader(32, seed=1))
+    assert sim.gpus[0].power_limit_w() == PRESET_W  # on_exception restored
+    sim.advance(300.0)
+    model.fail_after = None
+    again = pl.Trainer(accelerator="cpu", devices=1, max_epochs=20, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False,
+                       callbacks=[work, PowerLimitCallback(opt)])
+    again.fit(model, loader(176), loader(32, seed=1))
+    assert opt.state is State.DONE and opt.chosen_limit_w == clean.chosen_limit_w
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-2)
+    done = [limit for state, limit in work.seen[13:] if state is State.DONE]
+    assert len(done) >= 20 and set(done) == {opt.chosen_limit_w}
+    assert sim.gpus[0].power_limit_w() == PRESET_W

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 
 import pytest
 
@@ -151,7 +153,7 @@ def test_saved_profile_is_reused_by_the_next_job(tmp_path):
     train(sim, first, epochs=1, steps=400)
     saved = json.loads(store.path(sim.gpus[0].name, 1, "resnet/b256").read_text())
     assert saved["gpu_model"] == "NVIDIA A100-SXM4-40GB" and saved["profile_steps"] == 20
-    assert [p["limit_w"] for p in saved["points"]] == list(first.points)
+    assert [p["limit_w"] for p in saved["points"]] == sorted(first.points, reverse=True)
 
     sim2, _, second = make("A100", selector="energy", workload="resnet/b256", store=store)
     seen: list[tuple[float, ...]] = []
@@ -301,3 +303,158 @@ def test_profiling_that_can_measure_nothing_gives_up_and_keeps_the_admins_limit(
     assert sim.gpus[0].power_limit_w() == 250.0  # for the rest of the run
     opt.on_train_end()
     assert sim.gpus[0].power_limit_w() == 250.0
+
+
+# -- saved profiles answer only what they measured ------------------------------------------
+def test_a_saved_profile_of_another_selector_is_completed_not_trusted(tmp_path):
+    # The time selector profiles only the top limits; an energy job on the same workload
+    # must profile down to its own optimum rather than choose among those.
+    store = ProfileStore(tmp_path / "profiles")
+    sim, _, first = make("A100", selector="time", workload="bert/b32", store=store)
+    train(sim, first, epochs=1, steps=400)
+    assert list(first.points) == [400.0, 375.0, 350.0] and first.chosen_limit_w == 400.0
+
+    sim2, _, second = make("A100", selector="energy", workload="bert/b32", store=store)
+    seen: list[tuple[float, ...]] = []
+    train(sim2, second, epochs=1, steps=400, limits_seen=seen)
+    best = MinEnergy().choose([truth("A100", x) for x in second.limits_w]).limit_w
+    assert best == 225.0
+    assert second.chosen_limit_w == best and not second.reused_profile
+    assert second.reused_limits_w == [400.0, 375.0, 350.0]
+    assert seen[0] == (325.0,)  # the saved limits are not profiled again
+    for limit, p in second.points.items():
+        assert p.energy_j == pytest.approx(truth("A100", limit).energy_j, rel=5e-3)
+    # What it measured is added to the saved profile: the next energy job skips profiling.
+    saved = json.loads(store.path(sim.gpus[0].name, 1, "bert/b32").read_text())
+    assert [p["limit_w"] for p in saved["points"]] == sorted(second.points, reverse=True)
+    sim3, _, third = make("A100", selector="energy", workload="bert/b32", store=store)
+    seen = []
+    train(sim3, third, epochs=1, steps=5, limits_seen=seen)
+    assert third.reused_profile and seen == [(225.0,)] * 5
+
+
+def test_a_saved_profile_over_other_limits_gets_the_reference_profiled(tmp_path):
+    # Saved at 300 and 275 W only: a slowdown limit must be judged against 400 W, not 300 W.
+    store = ProfileStore(tmp_path / "profiles")
+    sim, _, first = make("A100", selector="energy", workload="bert/b32", store=store,
+                         limits_w=[300.0, 275.0])
+    train(sim, first, epochs=1, steps=100)
+    assert first.chosen_limit_w == 275.0
+
+    sim2, _, second = make("A100", selector="slowdown:1.05", workload="bert/b32", store=store)
+    seen: list[tuple[float, ...]] = []
+    train(sim2, second, epochs=1, steps=400, limits_seen=seen)
+    assert seen[0] == (400.0,)  # the reference is profiled first
+    ref = truth("A100", 400.0)
+    fastest_enough = [x for x in second.limits_w if truth("A100", x).time_s <= 1.05 * ref.time_s]
+    assert second.chosen_limit_w == min(fastest_enough) == 350.0
+    assert second.reused_limits_w == [300.0, 275.0] and not second.reused_profile
+    assert second.points[400.0].time_s == pytest.approx(ref.time_s, rel=2e-3)
+
+
+def test_a_saved_profile_of_other_gpu_models_is_not_reused(tmp_path):
+    # Two A100s and an A100 with a V100 are both two GPUs: their profiles must not mix.
+    store = ProfileStore(tmp_path / "profiles")
+    sim, _, first = make("A100x2", selector="energy", workload="bert/b32", store=store)
+    train(sim, first, epochs=1, steps=400)
+    sim2, _, mixed = make("A100,V100", selector="energy", workload="bert/b32", store=store)
+    try:
+        mixed.on_train_begin()
+        assert mixed.state is State.WARMUP and mixed.reused_limits_w == [] and not mixed.reused_profile
+        assert mixed.current_limit_w == 300.0  # the highest limit both allow: profiling starts
+    finally:
+        mixed.on_train_end()
+
+
+# -- training run again after a run that did not end -----------------------------------------
+def crash(sim, opt, steps: int) -> None:
+    """A run that raises in its ``steps``-th step: no on_step_end, epoch end or train end."""
+    opt.on_train_begin()
+    opt.on_epoch_begin()
+    for i in range(steps):
+        opt.on_step_begin()
+        sim.run(WORK_S, CF)
+        if i == steps - 1:
+            return
+        opt.on_step_end()
+
+
+def test_a_run_again_after_an_exception_profiles_the_interrupted_limit_again():
+    sim, _, clean = make("A100", selector="energy")
+    train(sim, clean, epochs=1, steps=400)
+
+    sim, _, opt = make("A100", selector="energy")
+    try:
+        crash(sim, opt, steps=35)  # in the middle of the second limit's measurement
+        assert opt.state is State.PROFILING and opt.current_limit_w == 375.0
+        sim.advance(300.0)  # the traceback is read, the script fixed
+        train(sim, opt, epochs=1, steps=400)
+    finally:
+        opt.restore()
+    assert opt.state is State.DONE
+    for limit, p in opt.points.items():  # the idle 300 s are in no point
+        assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
+        assert p.energy_j == pytest.approx(truth("A100", limit).energy_j, rel=5e-3)
+    assert opt.points[375.0].time_s < 0.21
+    assert opt.chosen_limit_w == clean.chosen_limit_w == 225.0
+    assert list(opt.points) == list(clean.points)
+
+
+@pytest.mark.parametrize("interrupt_at", [30, 400])  # while profiling, and after the choice
+def test_a_run_again_after_ctrl_c_sets_the_limit_the_guard_put_back(interrupt_at):
+    sim, _, clean = make("A100", selector="energy")
+    train(sim, clean, epochs=1, steps=400)
+
+    sim, _, opt = make("A100", selector="energy", handle_signals=True)
+    sim.gpus[0].set_power_limit_w(310.0)  # what the admin had set (not a candidate)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.on_train_begin()
+            for i in range(1000):
+                opt.on_step_begin()
+                sim.run(WORK_S, CF)
+                if i == interrupt_at:
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the guard restores, then raises
+                opt.on_step_end()
+        assert sim.gpus[0].power_limit_w() == 310.0
+        seen: list[tuple[float, ...]] = []
+        train(sim, opt, epochs=1, steps=600, limits_seen=seen)
+    finally:
+        opt.restore()
+    assert opt.state is State.DONE and opt.chosen_limit_w == clean.chosen_limit_w == 225.0
+    assert seen[-200:] == [(225.0,)] * 200  # the rest of training ran at the chosen limit
+    assert (310.0,) not in seen  # never at the admin's limit while the optimizer ran
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
+    assert sim.gpus[0].power_limit_w() == 310.0
+
+
+# -- warm-up after an epoch end ----------------------------------------------------------------
+def test_the_warmup_after_an_epoch_end_follows_the_epoch_not_the_last_pause():
+    # Epochs of 11 steps and a pause (checkpoint) every 10 steps: the last pause before an
+    # epoch end can be 1 step before it; the next epoch must still warm up for 4 steps. Its
+    # first 4 steps are slow (data loader restarting), which warm-up is there to skip.
+    sim, _, opt = make("A100", selector="energy", warmup_steps=4, profile_steps=20)
+    epochs: list[list[State]] = []
+    done = 0
+    opt.on_train_begin()
+    while opt.state is not State.DONE:
+        opt.on_epoch_begin()
+        epochs.append([])
+        for i in range(11):
+            opt.on_step_begin()
+            epochs[-1].append(opt.state)
+            sim.run(WORK_S * (2.0 if i < 4 else 1.0), CF)
+            opt.on_step_end()
+            done += 1
+            if done % 10 == 0:
+                opt.pause()
+        opt.on_epoch_end()
+    opt.on_train_end()
+    assert len(epochs) > 20
+    for states in epochs:
+        if State.DONE not in states:
+            assert states[:4] == [State.WARMUP] * 4, states
+    for limit, p in opt.points.items():  # no slow step was measured
+        assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
+    assert opt.chosen_limit_w == 225.0

@@ -23,6 +23,10 @@ stopped. When the search is done, the chosen limit is applied for the rest of tr
 the limits the GPUs had before come back at the end (``on_train_end``, leaving the ``with``
 block, an exception, Ctrl-C, SIGTERM, interpreter exit; see
 :class:`~joules.devices.restore.RestoreGuard`).
+
+With a ``workload`` name, the measured points are saved, and a later job on the same GPUs
+takes them as already measured: it profiles only the limits its own selector and candidates
+still need, often none.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -37,9 +42,9 @@ from typing import Any
 
 from joules.devices.base import GPU
 from joules.devices.restore import RestoreGuard
-from joules.errors import DevicePermissionError, JoulesError
+from joules.errors import DevicePermissionError, JoulesError, WindowError
 from joules.monitoring.monitor import EnergyMonitor
-from joules.optimizers.power_limit.profile import LimitPoint
+from joules.optimizers.power_limit.profile import LimitPoint, ProfileError
 from joules.optimizers.power_limit.search import Adaptive, Search, Sweep
 from joules.optimizers.power_limit.selectors import Selector, parse_selector
 from joules.optimizers.power_limit.store import ProfileStore
@@ -101,13 +106,16 @@ class PowerLimitOptimizer:
             callable ``(limits, selector) -> Search``.
         warmup_steps: Steps after a limit change (or an epoch start) that are not measured.
             After an epoch end, fewer than half the steps of the epoch before warm up when
-            that is less (with a warning), so that short epochs are still measured.
+            that is less (with a warning), so that short epochs are still measured; after
+            another pause, fewer than half the steps since the previous such pause.
         profile_steps: Steps measured at each limit.
         step_w: Distance between candidate limits, from the highest allowed one down.
         limits_w: Candidate limits instead of the ``step_w`` grid; each must be allowed on
             every controlled GPU.
-        workload: Name of the workload (e.g. ``"bert-base/b32"``). With a name, the profile is
-            saved and a later job on the same GPU model and count reuses it without profiling.
+        workload: Name of the workload (e.g. ``"bert-base/b32"``). With a name, the measured
+            points are saved, and a later job on the same GPU model(s) and count takes them as
+            already measured: it profiles only the limits its selector and candidate limits
+            still need (none when the saved points suffice), and adds them to the saved ones.
         store: Where profiles are saved: a :class:`ProfileStore`, a directory, or ``None`` for
             the default one. Ignored without ``workload``.
         gpu_indices: Which of the monitor's GPUs to control (default: all of them).
@@ -196,16 +204,24 @@ class PowerLimitOptimizer:
         """Time and energy per step at each profiled limit (all GPUs of the job together)."""
         self.chosen_limit_w: float | None = None
         self.reused_profile = False
+        """Whether the limit was chosen from the saved profile alone, without profiling."""
+        self.reused_limits_w: list[float] = []
+        """The limits whose points were taken from the saved profile."""
         self.total_gpus = len(self.gpus)
         self._acc: _Accumulator | None = None
         self._window_open = False
         self._ended = False
+        self._stepped = False  # a step ran since the last on_train_begin
         self._applied: float | None = None
         self._dist: Any = None
         self._model = self.gpus[0].name
+        self._measured: list[float] = []  # limits measured by this optimizer (not saved ones)
         self._steps_since_pause = 0
         self._measured_since_pause = 0
-        self._last_epoch_steps: int | None = None
+        self._epoch_steps = 0  # steps since the last epoch end, whatever the pauses in between
+        self._interval_steps = 0  # steps since the last pause that was not an epoch end
+        self._epoch_len: int | None = None  # steps of the last epoch
+        self._interval_len: int | None = None  # steps between the last two such pauses
         self._idle_epochs = 0
         self._short_epochs_warned = False
 
@@ -222,6 +238,7 @@ class PowerLimitOptimizer:
             "selector": repr(self.selector) if self.selector else str(self._selector_spec),
             "chosen_limit_w": self.chosen_limit_w,
             "reused_profile": self.reused_profile,
+            "reused_limits_w": self.reused_limits_w,
             "gpus": self.total_gpus,
             "limits_w": self.limits_w,
             "points": [{"limit_w": p.limit_w, "time_per_step_s": p.time_s, "energy_per_step_j": p.energy_j}
@@ -233,8 +250,17 @@ class PowerLimitOptimizer:
         """Start: agree on candidate limits (and a saved profile) and set the first limit.
 
         Called again after :meth:`on_train_end` (another ``fit`` with the same optimizer),
-        it re-applies the chosen limit, or resumes profiling where it stopped.
+        it re-applies the chosen limit, or resumes profiling where it stopped. Called again
+        after steps without :meth:`on_train_end` in between (training raised, or was
+        interrupted by Ctrl-C, and runs again), it discards what was being measured at the
+        current limit and profiles that limit again, and sets the limit again if it was put
+        back meanwhile (by the restore guard on SIGINT, say). Called twice with no step in
+        between (``with optimizer:`` around a trainer that calls it too), the second call
+        changes nothing.
         """
+        stepped, self._stepped = self._stepped, False
+        self._steps_since_pause = self._measured_since_pause = 0
+        self._epoch_steps = self._interval_steps = 0
         if self._ended:
             self._ended = False
             if self.state is State.DONE and self.chosen_limit_w is not None:
@@ -242,25 +268,35 @@ class PowerLimitOptimizer:
             elif self._acc is not None:
                 self._apply(self._acc.limit_w)
                 self._acc.limit_warm = 0  # the limit was put back meanwhile: a full warm-up
-                self._steps_since_pause = self._measured_since_pause = 0
-                self.pause()  # warm up again before measuring the rest of this limit
+                self._warm_up_again()  # before measuring the rest of this limit
             return
         if self.state is not State.READY:
+            if stepped:
+                self._discard_interrupted()
+            self._reapply_if_lost()
             return
         self._dist = _torch_dist() if self._distributed in ("auto", True) else None
         if self._distributed is True and self._dist is None:
             raise JoulesError("distributed=True but torch.distributed is not initialized")
         self.total_gpus = int(self._allreduce([float(len(self.gpus))], "sum")[0])
+        self._model = self._gpu_model()
         self.selector = self._make_selector()
         self.limits_w = self._candidate_limits()
-        saved = self._load_saved()
-        if saved:
-            self.points = {p.limit_w: p for p in saved}
-            self.reused_profile = True
-            self._finish()
-            return
+        saved = self._load_saved() or []
         self.search = self._make_search()
+        for point in saved:
+            self.search.record(point)
+            self.points[point.limit_w] = point
+        self.reused_limits_w = [p.limit_w for p in saved]
         self._next_limit()
+        self.reused_profile = bool(saved) and not self._measured and self.state is State.DONE
+        if saved:
+            if self.reused_profile:
+                log.info("the saved profile for %r answers %s over these limits: no profiling",
+                         self.workload, self.selector)
+            else:
+                log.info("the saved profile for %r has %d of the limits; profiling the ones %s "
+                         "still needs", self.workload, len(saved), self.selector)
 
     def on_epoch_begin(self) -> None:
         """An epoch starts (optional; steps alone drive the optimizer)."""
@@ -271,6 +307,7 @@ class PowerLimitOptimizer:
         """A training step starts."""
         if self.state is State.READY or self._ended:
             self.on_train_begin()
+        self._stepped = True
         if self.state is State.PROFILING and not self._window_open:
             self._open()
 
@@ -278,7 +315,10 @@ class PowerLimitOptimizer:
         """A training step ended."""
         if self.state is State.READY or self._ended:
             self.on_train_begin()
+        self._stepped = True
         self._steps_since_pause += 1
+        self._epoch_steps += 1
+        self._interval_steps += 1
         acc = self._acc
         if acc is None:
             return
@@ -300,7 +340,9 @@ class PowerLimitOptimizer:
 
     def on_epoch_end(self) -> None:
         """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
-        self.pause()
+        if self._epoch_steps:
+            self._epoch_len, self._epoch_steps = self._epoch_steps, 0
+        self._pause(self._epoch_len, "epochs of")
 
     def pause(self) -> None:
         """Work that is not a training step follows (evaluation, a checkpoint): stop measuring.
@@ -308,18 +350,25 @@ class PowerLimitOptimizer:
         A profile in progress keeps the steps measured so far; the next steps warm up again
         before the measurement resumes: ``warmup_steps`` (or what is left of the warm-up
         after the limit change), but fewer than half the steps since the previous pause
-        when that is less, so that epochs not much longer than the warm-up are still
-        measured. When three epochs in a row measure no step (epochs of one step without
-        :meth:`on_step_begin`), profiling is given up and the limits the GPUs had are put
-        back for the rest of the run. Nothing happens outside profiling.
+        (epoch ends not counted) when that is less, so that work paused more often than the
+        warm-up lasts is still measured. After an epoch end, the same holds with the steps
+        of the whole epoch, whatever the pauses within it. When three epochs in a row
+        measure no step (epochs of one step without :meth:`on_step_begin`), profiling is
+        given up and the limits the GPUs had are put back for the rest of the run. Nothing
+        happens outside profiling.
         """
+        if self._interval_steps:
+            self._interval_len, self._interval_steps = self._interval_steps, 0
+        self._pause(self._interval_len, "pauses every")
+
+    def _pause(self, span: int | None, what: str) -> None:
+        """Pause; ``span`` is the steps between such pauses (``what`` names them in a warning)."""
         steps, self._steps_since_pause = self._steps_since_pause, 0
         measured, self._measured_since_pause = self._measured_since_pause, 0
         acc = self._acc
         if acc is None or self.state not in (State.WARMUP, State.PROFILING):
             return
         if steps:
-            self._last_epoch_steps = steps
             # Warmed up, yet no step measured (at this limit or one completed meanwhile).
             idle = self.state is State.PROFILING and not measured
             self._idle_epochs = self._idle_epochs + 1 if idle else 0
@@ -329,17 +378,62 @@ class PowerLimitOptimizer:
             self._give_up(steps)
             return
         rewarm = self.warmup_steps
-        if self._last_epoch_steps is not None and (self._last_epoch_steps - 1) // 2 < rewarm:
-            rewarm = (self._last_epoch_steps - 1) // 2
+        if span is not None and (span - 1) // 2 < rewarm:
+            rewarm = (span - 1) // 2
             if not self._short_epochs_warned:
                 self._short_epochs_warned = True
-                log.warning("epochs of %d steps are short for warmup_steps=%d and profile_steps=%d: "
-                            "after an epoch end only %d steps warm up before measuring resumes, and a "
-                            "profile spans several epochs", self._last_epoch_steps, self.warmup_steps,
+                log.warning("%s %d steps are short for warmup_steps=%d and profile_steps=%d: "
+                            "after such a pause only %d steps warm up before measuring resumes, and a "
+                            "profile spans several of them", what, span, self.warmup_steps,
                             self.profile_steps, rewarm)
         acc.warm = 0
         acc.warm_target = max(self.warmup_steps - acc.limit_warm, rewarm)
         self.state = State.WARMUP if acc.warm_target > 0 else State.PROFILING
+
+    def _warm_up_again(self) -> None:
+        """Warm up for the rest of the warm-up of the current limit before measuring again."""
+        acc = self._acc
+        assert acc is not None
+        acc.warm = 0
+        acc.warm_target = max(0, self.warmup_steps - acc.limit_warm)
+        self.state = State.WARMUP if acc.warm_target > 0 else State.PROFILING
+
+    def _discard_interrupted(self) -> None:
+        """A run ended without on_train_end: drop what was being measured at the current limit."""
+        if self._window_open:
+            with suppress(WindowError):  # the monitor may have lost it meanwhile
+                self.monitor.cancel_window(self._window_name())
+            self._window_open = False
+        acc = self._acc
+        if acc is not None and self.state in (State.WARMUP, State.PROFILING):
+            log.warning("training started again after a run that did not end (no on_train_end): "
+                        "the measurement at %g W so far is discarded, and the limit profiled again",
+                        acc.limit_w)
+            self._acc = _Accumulator(acc.limit_w)
+            self._warm_up_again()
+
+    def _wanted_limit(self) -> float | None:
+        """The limit the GPUs should have now: the chosen one, or the one being profiled."""
+        if self.state is State.DONE:
+            return self.chosen_limit_w
+        if self.state in (State.WARMUP, State.PROFILING) and self._acc is not None:
+            return self._acc.limit_w
+        return None
+
+    def _reapply_if_lost(self) -> None:
+        """Set the wanted limit again where the GPUs lost it (the guard restored them, say)."""
+        wanted = self._wanted_limit()
+        if wanted is None:
+            return
+        if self.guard is not None:
+            held = {c.uuid for c in self.guard.changed if c.original_power_limit_w is not None}
+            lost = [g for g in self.gpus if g.uuid not in held or abs(g.power_limit_w() - wanted) > 0.5]
+            if lost:
+                log.warning("GPU(s) %s no longer have the limit %g W (put back while training was "
+                            "interrupted?): setting it again", [g.index for g in lost], wanted)
+                self._applied = None
+        if self._applied != wanted:
+            self._apply(wanted)
 
     def _give_up(self, steps: int) -> None:
         """Stop profiling for good and put back the limits the GPUs had (nothing can be measured)."""
@@ -354,8 +448,10 @@ class PowerLimitOptimizer:
     def on_train_end(self) -> None:
         """Training ended: put back the limits the GPUs had before."""
         if self._window_open:
-            self.monitor.cancel_window(self._window_name())
+            with suppress(WindowError):
+                self.monitor.cancel_window(self._window_name())
             self._window_open = False
+        self._stepped = False
         if self.state is not State.READY:
             self._ended = True
         self.restore()
@@ -404,6 +500,7 @@ class PowerLimitOptimizer:
         energy_j = self._allreduce([energy_j], "sum")[0]
         point = LimitPoint(acc.limit_w, time_s, energy_j)
         self.points[point.limit_w] = point
+        self._measured.append(point.limit_w)
         self.search.record(point)
         log.info("power limit %g W: %.4g s and %.4g J per step (%d steps in %d segment(s))",
                  acc.limit_w, time_s, energy_j, acc.steps, acc.segments)
@@ -412,6 +509,8 @@ class PowerLimitOptimizer:
     def _next_limit(self) -> None:
         assert self.search is not None
         limit = self.search.next_limit()
+        if limit is None and self.limits_w[0] not in self.points:
+            limit = self.limits_w[0]  # every selector compares against the highest limit
         if limit is None:
             self._finish()
             return
@@ -426,9 +525,9 @@ class PowerLimitOptimizer:
         self._acc = None
         self.state = State.DONE
         self._apply(chosen)
-        log.info("chose %g W (%s) after profiling %s W", chosen, self.selector,
+        log.info("chose %g W (%s) from %s W", chosen, self.selector,
                  ", ".join(f"{x:g}" for x in self.points))
-        if not self.reused_profile:
+        if self._measured:
             self._save()
 
     def _apply(self, limit: float) -> None:
@@ -484,17 +583,29 @@ class PowerLimitOptimizer:
         n = int(math.floor((hi - lo) / self.step_w + 1e-9))
         return [hi - k * self.step_w for k in range(n + 1)]
 
+    def _gpu_model(self) -> str:
+        """The GPU model(s) of the whole job, as saved profiles are keyed by it."""
+        names = [g.name for g in self.gpus]
+        if self._dist is not None:
+            gathered: list[list[str]] = [[] for _ in range(self._dist.get_world_size())]
+            self._dist.all_gather_object(gathered, names)
+            names = [n for rank_names in gathered for n in rank_names]
+        models = sorted(set(names))
+        return models[0] if len(models) == 1 else "+".join(models)
+
     def _load_saved(self) -> list[LimitPoint] | None:
+        """The saved points at the current candidate limits (rank 0 reads, and broadcasts)."""
         points: list[LimitPoint] | None = None
         if self.workload is not None and self._rank() == 0:
             saved = self.store.load(self._model, self.total_gpus, self.workload) or []
             allowed = set(self.limits_w)
             points = [p for p in saved if p.limit_w in allowed] or None
             if saved and not points:
-                log.warning("saved profile for %r has none of the allowed limits; profiling again",
+                log.warning("saved profile for %r has none of the candidate limits; profiling again",
                             self.workload)
-            if points:
-                log.info("reusing the saved profile for %r (%d limits)", self.workload, len(points))
+            elif len(saved) > len(points or []):
+                log.info("saved profile for %r: %d point(s) at limits that are not candidates now are "
+                         "left aside", self.workload, len(saved) - len(points or []))
         if self._dist is not None:
             box = [points]
             self._dist.broadcast_object_list(box, src=0)
@@ -502,10 +613,19 @@ class PowerLimitOptimizer:
         return points
 
     def _save(self) -> None:
+        """Add the points measured now to the saved profile (rank 0; never fails training)."""
         if self.workload is None or self._rank() != 0 or self.dry_run:
             return
         try:
-            path = self.store.save(self._model, self.total_gpus, self.workload, list(self.points.values()),
+            saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+        except (ProfileError, OSError) as e:
+            log.warning("not saving the power-limit profile: %s", e)
+            return
+        merged = {p.limit_w: p for p in saved}
+        merged.update((x, self.points[x]) for x in self._measured)
+        points = [merged[x] for x in sorted(merged, reverse=True)]
+        try:
+            path = self.store.save(self._model, self.total_gpus, self.workload, points,
                                    warmup_steps=self.warmup_steps, profile_steps=self.profile_steps,
                                    selector=repr(self.selector))
             log.info("saved the profile to %s", path)
