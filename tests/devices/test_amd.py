@@ -6,10 +6,17 @@ from pathlib import Path
 import pytest
 
 from joules.clock import VirtualClock
-from joules.devices.amd import AMDGPU, discover_amd, visible_devices
+from joules.devices.amd import AMDGPU, discover_amd, unique_id, visible_devices
 from joules.devices.sim import Constant, SimGPU
 from joules.errors import DevicePermissionError, NotSupportedError
-from joules.testing.fake_amdsmi import COUNTER_RESOLUTION_UJ, MI250X, MI300X, installed, make_module
+from joules.testing.fake_amdsmi import (
+    COUNTER_RESOLUTION_UJ,
+    MI250X,
+    MI300X,
+    amdsmi_uuid,
+    installed,
+    make_module,
+)
 
 
 def sims(clock: VirtualClock, n: int = 2, model=MI300X, **kwargs) -> list[SimGPU]:
@@ -270,14 +277,91 @@ def test_hip_visible_devices_indexes_the_rocr_selection() -> None:
 
 
 def test_visible_devices_by_uuid() -> None:
+    # ROCr, HIP and rocminfo name a GPU GPU-<16 hex digits of its unique id>; amdsmi's UUID holds
+    # the same id in another layout, from which it is recovered.
     clock = VirtualClock()
     with installed(sims(clock, 3)) as smi:
-        full = smi.handles[2].uuid
-        short = "GPU-" + full.replace("-", "")[-16:]
-        gpus, problems = discover_amd({"ROCR_VISIBLE_DEVICES": f"{short},{full.upper()}"}, clock=clock)
+        rocr = f"GPU-{smi.handles[2].unique_id:016x}"
+        assert smi.handles[2].uuid != rocr
+        gpus, problems = discover_amd({"ROCR_VISIBLE_DEVICES": f"{rocr.upper()},{rocr}"}, clock=clock)
     # the second entry names the same GPU again: it and what follows are dropped
     assert [g.physical_index for g in gpus] == [2]
+    assert len(problems) == 1 and "already listed" in problems[0].message
+
+
+def test_unique_id_from_amdsmi_uuid() -> None:
+    # amdsmi_uuid_gen: {b7}{fcn}{did}-0000-1000-80{b6}-{b5..b0}; ROCr: GPU-%016llx
+    assert unique_id("deff740f-0000-1000-8082-87300da37c72") == "de8287300da37c72"
+    assert unique_id("DEFF740F-0000-1000-8082-87300DA37C72") == "de8287300da37c72"
+    assert unique_id("1f0074a1-0000-1000-8045-d9c1b0f6a4b2") == "1f45d9c1b0f6a4b2"  # partition 0
+    assert unique_id("GPU-de8287300da37c72") == "de8287300da37c72"
+    assert unique_id(amdsmi_uuid(0x2A17E3B4C5D6E7F8, 0x74A1)) == "2a17e3b4c5d6e7f8"
+    assert unique_id("GPU-0000000000000000") is None  # ROCr: no UUID
+    assert unique_id("AMD-GPU-0") is None
+    assert unique_id("6ba7b810-9dad-11d1-80b4-00c04fd430c8") is None  # another kind of UUID
+
+
+_IDS = [0x1F45D9C1B0F6A4B2, 0x2A17E3B4C5D6E7F8, 0x2A17AA00C5D6E7F8, 0x3C00000000000001]
+_UUIDS = [amdsmi_uuid(i, 0x74A1) for i in _IDS]
+
+
+def test_visible_devices_accepts_unique_prefixes_of_the_id() -> None:
+    assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "GPU-2a17e3b4c5d6e7f8"}) == ([1], [])
+    assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "gpu-3C,GPU-2a17e"}) == ([3, 1], [])
+    assert visible_devices(4, _UUIDS, {"HIP_VISIBLE_DEVICES": "GPU-1,1"}) == ([0, 1], [])
+    # HIP selects among the GPUs ROCr left: there GPU-2a17 names one GPU only
+    order, problems = visible_devices(
+        4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "0,GPU-2a17a", "HIP_VISIBLE_DEVICES": "GPU-2a17"}
+    )
+    assert (order, problems) == ([2], [])
+
+
+def test_visible_devices_refuses_ambiguous_prefixes() -> None:
+    order, problems = visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "3,GPU-2a17,0"})
+    assert order == [3]
     assert len(problems) == 1
+    message = problems[0].message
+    assert "'GPU-2a17' is ambiguous" in message and "GPU-2a17e3b4c5d6e7f8" in message
+    assert "GPU-2a17aa00c5d6e7f8" in message and "entries after it are ignored" in message
+    assert "GPU-1f45d9c1b0f6a4b2" in problems[0].fix
+
+
+def test_visible_devices_refuses_what_the_runtimes_refuse() -> None:
+    for token in ("GPU-", "GPU-2a17e3b4c5d6e7f8a", "GPU-xyz", "GPU-99", "2a17e3b4c5d6e7f8"):
+        order, problems = visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": f"0,{token},1"})
+        assert order == [0], token
+        assert len(problems) == 1 and repr(token) in problems[0].message
+    # an amdsmi UUID is not what the runtimes take; the message says what is
+    order, problems = visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": _UUIDS[1]})
+    assert order == []
+    assert "amdsmi UUID" in problems[0].message and "GPU-2a17e3b4c5d6e7f8" in problems[0].message
+
+
+def test_visible_devices_prefers_the_hip_uuid_of_enumeration_info() -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 3), enumeration_info=True) as smi:
+        smi.handles[1].hip_uuid = "GPU-0123456789abcdef"  # not the id in amdsmi's UUID
+        gpus, problems = discover_amd({"HIP_VISIBLE_DEVICES": "GPU-0123,0"}, clock=clock)
+    assert problems == []
+    assert [g.physical_index for g in gpus] == [1, 0]
+    # given ids override amdsmi's UUID; missing or unusable ones fall back to it
+    ids: list[str | None] = [None, "n/a", "GPU-0123456789abcdef", "0123456789ABCDEE"]
+    assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "GPU-0123456789abcdef"}, ids)[0] == [2]
+    assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "GPU-0123456789abcdee"}, ids)[0] == [3]
+    assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "GPU-2a17e,GPU-1f"}, ids)[0] == [1, 0]
+
+
+def test_enumeration_info_that_fails_is_not_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = VirtualClock()
+    with installed(sims(clock, 2), enumeration_info=True) as smi:
+        def broken(handle: object) -> dict:
+            raise smi.AmdSmiLibraryException(2)
+
+        monkeypatch.setattr(smi, "amdsmi_get_gpu_enumeration_info", broken)
+        rocr = f"GPU-{smi.handles[1].unique_id:016x}"
+        gpus, problems = discover_amd({"ROCR_VISIBLE_DEVICES": rocr}, clock=clock)
+    assert problems == []
+    assert [g.physical_index for g in gpus] == [1]
 
 
 def test_invalid_entry_hides_it_and_the_rest() -> None:

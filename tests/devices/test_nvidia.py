@@ -1,8 +1,14 @@
+import os
+import select
+import signal
 import sys
+import threading
 import time
+import types
 
 import pytest
 
+from joules.devices import nvidia
 from joules.devices.nvidia import NVMLGPU, discover_nvml
 from joules.devices.sim import Constant, Simulator
 from joules.errors import DeviceNotFoundError, DevicePermissionError, NotSupportedError
@@ -186,7 +192,9 @@ def test_energy_j_is_one_nvml_call(sim, nvml):
     assert sum(nvml.fake_calls.values()) - before == 3
 
 
-def test_instant_vs_averaged_power_on_a100(sim, nvml):
+def test_instant_power_on_a100_and_its_power_usage_is_instant_too(sim, nvml):
+    # NVML: "On Ampere (except GA100) or newer GPUs, the API returns power averaged over 1 sec
+    # interval. On GA100 and older architectures, instantaneous power is returned."
     gpus, _ = gpus_of()
     a100 = gpus[A100]
     sim.advance(5.0)  # idle: 55 W
@@ -195,10 +203,28 @@ def test_instant_vs_averaged_power_on_a100(sim, nvml):
     sim.advance(0.35)
     # The instant field is updated every 0.1 s; the last update (t = 5.3) saw full load.
     assert a100.power_w() == pytest.approx(400.0, abs=2e-3)
-    # nvmlDeviceGetPowerUsage averages the last second: 0.7 s idle + 0.3 s at full load.
-    assert a100.average_power_w() == pytest.approx(0.7 * 55 + 0.3 * 400, abs=2e-3)
+    assert a100.average_power_w() == a100.power_w()  # GA100: nvmlDeviceGetPowerUsage is instant
+    assert nvml.nvmlDeviceGetPowerUsage(nvml.nvmlDeviceGetHandleByIndex(A100)) == 400_000
     assert a100.power_source == "NVML_FI_DEV_POWER_INSTANT"
     assert a100.power_update_period_s() == 0.1
+    assert a100.is_ga100 and not a100.power_usage_averaged
+    assert a100.describe()["power_usage_averaged"] is False
+
+
+@pytest.mark.parametrize("model", ["H100", "A40"])
+def test_power_usage_is_a_one_second_average_on_other_ampere_and_newer(model):
+    sim = Simulator(f"{model},nocpu")
+    with fake_pynvml.installed(sim):
+        (gpu,), _ = gpus_of()
+        assert not gpu.is_ga100 and gpu.power_usage_averaged
+        idle, full = sim.gpus[0].model.idle_w, min(sim.gpus[0].model.peak_w, sim.gpus[0].power_limit_w())
+        sim.advance(5.0)
+        sim.set_workload(Constant(1.0))
+        sim.advance(0.35)
+        assert gpu.power_w() == pytest.approx(full, abs=2e-3)
+        # nvmlDeviceGetPowerUsage averages the last second: 0.7 s idle + 0.3 s at full load.
+        assert gpu.average_power_w() == pytest.approx(0.7 * idle + 0.3 * full, abs=2e-3)
+        assert gpu.describe()["power_usage_averaged"] is True
 
 
 def test_v100_has_no_instant_field_but_its_power_usage_is_instant(sim, nvml):
@@ -404,13 +430,40 @@ def test_persistence_and_driver_problems(sim):
         gpus, problems = gpus_of()
         a100 = [p.message for p in gpus[A100].problems()]
         assert any("persistence mode is off" in m for m in a100)
-        assert any("470.82.01 is older than 525.60" in m and "1 s averages" in m for m in a100)
-        # Without the instant field an A100 falls back to the averaged nvmlDeviceGetPowerUsage.
+        # Without the instant field an A100 falls back to nvmlDeviceGetPowerUsage, which is
+        # instantaneous on GA100: no "1 s averages" warning.
+        assert any("470.82.01 is older than 525.60" in m and "power fields" in m for m in a100)
+        assert not any("1 s average" in m for m in a100)
         assert gpus[A100].power_source == "nvmlDeviceGetPowerUsage"
         fixes = [p.fix for p in problems]
         assert "sudo nvidia-smi -pm 1" in fixes
         assert not any("persistence" in p.message for p in gpus[V100].problems())
         assert gpus[A100].describe()["persistence_mode"] is False
+
+
+def test_old_driver_on_h100_warns_of_one_second_averages():
+    sim = Simulator("H100,A100,nocpu")
+    sim.advance(5.0)
+    sim.set_workload(Constant(1.0))
+    sim.advance(0.55)
+    with fake_pynvml.installed(sim, driver_version="470.82.01"):
+        (h100, a100), _ = gpus_of()
+        assert h100.power_source == a100.power_source == "nvmlDeviceGetPowerUsage"
+        h100_problems = [p.message for p in h100.problems()]
+        assert any("470.82.01" in m and "power readings are 1 s averages" in m for m in h100_problems)
+        assert not any("1 s average" in p.message for p in a100.problems())
+        # the A100's reading follows the load; the H100's still averages idle time in
+        assert a100.power_w() == pytest.approx(400.0, abs=2e-3)
+        assert h100.power_w() == pytest.approx(0.5 * 70.0 + 0.5 * 690.0, abs=2e-3)
+
+
+def test_ga100_is_told_by_compute_capability_or_else_by_name(sim, nvml):
+    gpus, _ = gpus_of()
+    assert [g.is_ga100 for g in gpus] == [True, False, False]
+    assert [g.power_usage_averaged for g in gpus] == [False, False, False]
+    del nvml.__dict__["nvmlDeviceGetCudaComputeCapability"]  # -> NVMLError_NotSupported
+    gpus, _ = gpus_of()
+    assert [g.is_ga100 for g in gpus] == [True, False, False]
 
 
 def test_no_problems_on_a_healthy_a100(sim, nvml):
@@ -444,3 +497,110 @@ def test_describe_is_json_ready(sim, nvml):
     json.dumps(info)
     assert info["power_limit_range_w"] == (100.0, 400.0)
     assert info["architecture"] == "ampere" and info["driver_version"] == "550.54.15"
+
+
+# -- fork -------------------------------------------------------------------------------------
+
+
+def run_in_forked_child(fn, timeout_s: float = 10.0) -> str | None:
+    """Fork; the child runs ``fn()`` and sends back ``str`` of its result. ``None`` if it hangs."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            signal.alarm(int(timeout_s) + 5)  # in case the parent cannot kill it
+            try:
+                out = str(fn())
+            except BaseException as e:  # noqa: BLE001
+                out = f"error: {e!r}"
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        if not select.select([r], [], [], timeout_s)[0]:
+            os.kill(pid, signal.SIGKILL)
+            return None
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        return data.decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_forked_child_reads_power_while_the_parent_sampler_was_mid_read(sim, nvml):
+    gpus, _ = gpus_of()
+    a100 = gpus[A100]
+    assert a100.power_source == "NVML_FI_DEV_POWER_INSTANT"
+    st = nvml.fake_state
+    original = st.c_field_values
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(*args):  # an NVML call under load, with the reader's lock held
+        inside.set()
+        release.wait(20)
+        return original(*args)
+
+    st.c_field_values = slow
+    sampler = threading.Thread(target=a100.power_w, daemon=True)
+    sampler.start()
+    try:
+        assert inside.wait(10)
+        st.c_field_values = original  # the child's own readings are quick
+        out = run_in_forked_child(a100.power_w)
+    finally:
+        release.set()
+        sampler.join(10)
+    assert out is not None, "the child hung on the lock its parent's sampler held at fork()"
+    assert float(out) == pytest.approx(a100.power_w())
+
+
+@needs_fork
+def test_forked_child_initializes_nvml_itself(sim, nvml):
+    gpus_of()
+    assert nvml.fake_calls["nvmlInit"] == 1
+
+    def child() -> str:
+        gpus, _ = discover_nvml({})
+        return f"{len(gpus)} {nvml.fake_calls['nvmlInit']}"
+
+    assert run_in_forked_child(child) == "3 2"  # the child called nvmlInit itself
+    assert nvml.fake_calls["nvmlInit"] == 1  # the parent did not
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_forked_child_gets_a_free_nvml_init_lock(sim, nvml):
+    gpus_of()
+    # another thread is inside nvmlInit (holding the init lock) when the process forks
+    slow = types.ModuleType("slow_pynvml")
+    inside, release = threading.Event(), threading.Event()
+
+    def nvmlInit() -> None:
+        inside.set()
+        release.wait(20)
+
+    slow.nvmlInit = nvmlInit  # type: ignore[attr-defined]
+    t = threading.Thread(target=nvidia._ensure_init, args=(slow,), daemon=True)
+    t.start()
+
+    def child() -> str:
+        gpus, _ = discover_nvml({})
+        return f"{len(gpus)} {nvml.fake_calls['nvmlInit']}"
+
+    try:
+        assert inside.wait(10)
+        out = run_in_forked_child(child)
+    finally:
+        release.set()
+        t.join(10)
+    assert out is not None, "the child hung on NVML's init lock"
+    assert out == "3 2"

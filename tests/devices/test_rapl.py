@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import errno
 import os
+import select
+import signal
 import threading
 import time
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from joules.clock import VirtualClock
+from joules.devices.base import WrappingCounter
 from joules.devices.rapl import NO_RAPL_MESSAGE, RaplCPU, discover_rapl
 from joules.devices.sim import Constant, SimCPU
 from joules.devices.sim.catalog import cpu_model
@@ -118,6 +121,79 @@ def test_mmio_zone_duplicating_a_package_is_ignored(tmp_path: Path) -> None:
     assert problems == []
     assert len(cpus) == 1
     assert cpus[0].package.path == fake.zone_dir(0, "package")
+
+
+def test_single_die_packages_keep_their_names(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2)
+    cpus, _ = discover(fake)
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, None), (1, None)]
+    assert [c.location for c in cpus] == ["package 0", "package 1"]
+    assert [c.name for c in cpus] == ["Intel(R) Xeon(R) Platinum 8480+"] * 2
+    assert cpus[1].describe()["package_id"] == 1 and cpus[1].describe()["die_id"] is None
+
+
+def test_multi_die_packages_give_one_cpu_per_die(tmp_path: Path) -> None:
+    # The kernel names the zones package-P-die-D when a package has several dies
+    # (Cascade Lake-AP: 2 dies per socket); each die has its own DRAM subzone.
+    fake = FakePowercap(tmp_path, packages=2, dies=2, dram=True, model_name="Intel(R) Xeon(R) Platinum 9282")
+    assert (fake.zone_dir(3, "package") / "name").read_text() == "package-1-die-1\n"
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert [c.index for c in cpus] == [0, 1, 2, 3]
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [c.name for c in cpus] == [
+        f"Intel(R) Xeon(R) Platinum 9282 (package {p}, die {d})" for p in (0, 1) for d in (0, 1)
+    ]
+    assert cpus[1].location == "package 0, die 1"
+    assert cpus[2].describe()["package_id"] == 1 and cpus[2].describe()["die_id"] == 0
+    assert all(c.has_dram() for c in cpus)
+    for n, cpu in enumerate(cpus):
+        assert cpu.package.path == fake.zone_dir(n, "package")
+        assert cpu.dram is not None and cpu.dram.path == fake.zone_dir(n, "dram")
+    # each die reads its own counters
+    before = [(c.package_energy_j(), c.dram_energy_j()) for c in cpus]
+    fake.add_energy(fake.zone_number(0, 1), "package", 5.5)
+    fake.add_energy(fake.zone_number(1, 0), "dram", 2.25)
+    after = [(c.package_energy_j(), c.dram_energy_j()) for c in cpus]
+    deltas = [(round(a[0] - b[0], 6), round(a[1] - b[1], 6)) for a, b in zip(after, before, strict=True)]
+    assert deltas == [(0.0, 0.0), (5.5, 0.0), (0.0, 2.25), (0.0, 0.0)]
+
+
+def test_multi_die_counters_wrap_per_die(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, dies=2, max_energy_range_uj=1_000_000)
+    cpus, _ = discover(fake)
+    start = [(c.package_energy_j(), c.dram_energy_j()) for c in cpus]
+    for _ in range(40):
+        fake.add_energy(3, "package", 0.75)
+        fake.add_energy(1, "dram", 0.6)
+        for cpu in cpus:
+            cpu.poll()
+    assert cpus[3].package_energy_j() - start[3][0] == pytest.approx(30.0, abs=1e-5)  # 30 wraps
+    assert cpus[1].dram_energy_j() - start[1][1] == pytest.approx(24.0, abs=1e-5)
+    assert cpus[0].package_energy_j() == start[0][0] and cpus[3].dram_energy_j() == start[3][1]
+
+
+def test_multi_die_names_without_cpuinfo_and_mmio_duplicates(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dies=2, dram=False, psys=True)
+    mmio = fake.root / "intel-rapl-mmio:1"
+    mmio.mkdir()
+    (mmio / "name").write_text("package-0-die-1\n")
+    (mmio / "max_energy_range_uj").write_text("262143328850\n")
+    (mmio / "energy_uj").write_text("5\n")
+    cpus, problems = discover_rapl(fake.root, cpuinfo=None)
+    assert problems == []
+    assert [c.name for c in cpus] == ["package-0-die-0", "package-0-die-1"]
+    assert cpus[1].package.path == fake.zone_dir(1, "package")  # MSR zone, not the MMIO one
+    assert cpus[0].has_psys() and not cpus[1].has_psys()
+
+
+def test_fake_powercap_zone_numbers(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, dies=3)
+    assert fake.zone_number(1, 2) == 5
+    with pytest.raises(KeyError, match="no die 3 in package 0"):
+        fake.zone_number(0, 3)
+    with pytest.raises(ValueError, match="dies must be at least 1"):
+        FakePowercap(tmp_path / "x", dies=0)
 
 
 def test_missing_root(tmp_path: Path) -> None:
@@ -329,3 +405,82 @@ def test_files_are_opened_once_and_read_with_one_pread(
     per_read_us = (time.perf_counter() - t) / n * 1e6
     # A few µs here (tmpfs); on real sysfs the kernel's MSR read adds a few µs more.
     assert per_read_us < 100.0
+
+
+def run_in_forked_child(fn, timeout_s: float = 10.0) -> str | None:
+    """Fork; the child runs ``fn()`` and sends back ``str`` of its result. ``None`` if it hangs."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(r)
+            signal.alarm(int(timeout_s) + 5)  # in case the parent cannot kill it
+            try:
+                out = str(fn())
+            except BaseException as e:  # noqa: BLE001
+                out = f"error: {e!r}"
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        if not select.select([r], [], [], timeout_s)[0]:
+            os.kill(pid, signal.SIGKILL)
+            return None
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        return data.decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def held_in_thread(lock) -> threading.Event:
+    """Have another thread take ``lock`` and keep it until the returned event is set."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            taken.set()
+            release.wait(20)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert taken.wait(10)
+    return release
+
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_forked_child_reads_zones_whose_locks_the_parent_held(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=True)
+    (cpu,), _ = discover(fake)
+    assert cpu.dram is not None
+    fake.add_energy(0, "package", 7.0)
+    fake.add_energy(0, "dram", 3.0)
+    # the sampler is mid-read of the package zone, and another reader is updating a counter
+    release_zone = held_in_thread(cpu.package._lock)
+    release_counter = held_in_thread(cpu.dram._counter._lock)
+    try:
+        out = run_in_forked_child(lambda: (cpu.package_energy_j(), cpu.dram_energy_j()))
+    finally:
+        release_zone.set()
+        release_counter.set()
+    assert out is not None, "the child hung on a lock held in its parent at fork()"
+    assert out == "(7.0, 3.0)"
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_forked_child_updates_a_wrapping_counter_held_in_the_parent() -> None:
+    counter = WrappingCounter(100)
+    counter.update(90)
+    release = held_in_thread(counter._lock)
+    try:
+        out = run_in_forked_child(lambda: counter.update(10))
+    finally:
+        release.set()
+    assert out == "110"  # a wrap, counted in the child

@@ -399,42 +399,95 @@ def check_energy_counters(gpus: Sequence[AMDGPU], clock: Clock, interval_s: floa
     return added
 
 
-def _normalize_uuid(text: str) -> str:
-    text = text.strip().lower()
-    if text.startswith("gpu-"):
-        text = text[4:]
-    return text.replace("-", "")
+#: amdsmi's UUID layout (``amdsmi_uuid_gen``): ``{b7}{fcn}{did}-0000-1000-80{b6}-{b5..b0}``,
+#: where b7..b0 are the bytes of the GPU's 64-bit unique id, most significant first.
+_AMDSMI_UUID = re.compile(
+    r"^([0-9a-f]{2})[0-9a-f]{6}-0000-1000-80([0-9a-f]{2})-([0-9a-f]{12})$"
+)
+#: The runtimes' form of the unique id: ``GPU-`` and 16 hex digits (``rocminfo``'s ``Uuid``).
+_RUNTIME_UUID = re.compile(r"^gpu-([0-9a-f]{16})$")
 
 
-def _match_uuid(token: str, uuids: Sequence[str], candidates: Sequence[int]) -> int | None:
-    """Position in ``candidates`` of the GPU whose UUID matches ``token`` (equal or suffix)."""
-    want = _normalize_uuid(token)
-    if len(want) < 8 or not _HEX.match(want):
-        return None
-    for pos, physical in enumerate(candidates):
-        have = _normalize_uuid(uuids[physical])
-        if have == want or have.endswith(want):
-            return pos
-    return None
+def unique_id(uuid: str) -> str | None:
+    """The GPU's 64-bit unique id, as 16 lowercase hex digits, from an amdsmi or runtime UUID.
+
+    ROCr, HIP and ``rocminfo`` name a GPU ``GPU-<unique id>`` (``GPU-%016llx``); amdsmi's
+    ``amdsmi_get_gpu_device_uuid`` spreads the same id over an RFC 4122-shaped UUID,
+    ``{b7}{fcn}{did}-0000-1000-80{b6}-{b5 b4 b3 b2 b1 b0}`` (b7 the most significant byte,
+    ``fcn`` a function or partition index, ``did`` the PCI device id). Both forms are
+    accepted; ``None`` for anything else.
+    """
+    text = uuid.strip().lower()
+    m = _RUNTIME_UUID.match(text)
+    if m:
+        found = m.group(1)
+    else:
+        m = _AMDSMI_UUID.match(text)
+        if not m:
+            return None
+        found = m.group(1) + m.group(2) + m.group(3)
+    return None if found == "0" * 16 else found  # ROCr gives a GPU with id 0 no UUID
+
+
+def _match_uuid(token: str, ids: Sequence[str | None], candidates: Sequence[int]) -> tuple[int | None, str]:
+    """Position in ``candidates`` of the GPU a ``GPU-<hex>`` token names, and why not if none.
+
+    As ROCr does, the token's hex digits are compared with the start of each GPU's 16-digit
+    unique id (``ids``, by physical index): a prefix that names one GPU selects it, one that
+    names several is refused.
+    """
+    want = token.strip().lower()
+    if _AMDSMI_UUID.match(want):
+        named = unique_id(want)
+        hint = f"; the unique id of that GPU is GPU-{named}" if named in ids else ""
+        return None, f"is an amdsmi UUID, which the ROCm runtimes do not accept{hint}"
+    if not want.startswith("gpu-"):
+        return None, "is neither an index nor a GPU-<hex> unique id"
+    digits = want[4:]
+    if not 1 <= len(digits) <= 16 or not _HEX.match(digits):
+        return None, "is not GPU- followed by 1 to 16 hex digits of a GPU's unique id"
+    found = [pos for pos, physical in enumerate(candidates)
+             if (have := ids[physical]) is not None and have.startswith(digits)]
+    if len(found) > 1:
+        names = ", ".join(f"GPU-{ids[candidates[pos]]}" for pos in found)
+        return None, f"is ambiguous: it starts the unique ids of {len(found)} GPUs ({names})"
+    if not found:
+        return None, "is the start of no GPU's unique id"
+    return found[0], ""
 
 
 def visible_devices(
-    count: int, uuids: Sequence[str], env: Mapping[str, str]
+    count: int,
+    uuids: Sequence[str],
+    env: Mapping[str, str],
+    unique_ids: Sequence[str | None] | None = None,
 ) -> tuple[list[int], list[Problem]]:
     """The physical indices of the GPUs this process sees, in the order it numbers them.
 
     ``ROCR_VISIBLE_DEVICES`` selects among all GPUs; ``HIP_VISIBLE_DEVICES`` (or, when unset,
     ``CUDA_VISIBLE_DEVICES``, which HIP also honors) selects among those. Entries are indices
-    or UUIDs (``GPU-<hex>``, matched against amdsmi's UUID ignoring case and dashes, also as
-    a suffix). As in the runtimes, an invalid entry hides it and every entry after it; an
-    empty value hides every GPU.
+    or unique ids in the runtimes' form, ``GPU-<16 hex digits>`` as ``rocminfo`` prints them,
+    or any prefix of one that names a single GPU (``GPU-2a17``). The id is taken from
+    ``unique_ids`` or, where that has none, recovered from amdsmi's UUID (see
+    :func:`unique_id`); case does not matter. As in the runtimes, an invalid or ambiguous
+    entry hides it and every entry after it; an empty value hides every GPU.
 
     Args:
         count: Number of GPUs amdsmi reports.
-        uuids: Their UUIDs, by physical index.
+        uuids: Their amdsmi UUIDs, by physical index.
         env: The environment.
+        unique_ids: Their unique ids (16 hex digits, or ``GPU-`` and 16 hex digits), by
+            physical index, where known otherwise (``hip_uuid`` of
+            ``amdsmi_get_gpu_enumeration_info``); ``None`` entries fall back to ``uuids``.
 
     """
+    ids: list[str | None] = []
+    for physical in range(count):
+        given = unique_ids[physical] if unique_ids is not None and physical < len(unique_ids) else None
+        have = None if given is None else unique_id(given if "-" in given else f"GPU-{given}")
+        if have is None and physical < len(uuids):
+            have = unique_id(uuids[physical])
+        ids.append(have)
     order = list(range(count))
     problems: list[Problem] = []
     hip_var = "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in env else "CUDA_VISIBLE_DEVICES"
@@ -446,23 +499,44 @@ def visible_devices(
         for raw in value.split(",") if value.strip() else []:
             token = raw.strip()
             pos: int | None
+            why = ""
             if re.fullmatch(r"\d+", token):
                 pos = int(token) if int(token) < len(order) else None
+                why = f"is not an index from 0 to {len(order) - 1}"
             else:
-                pos = _match_uuid(token, uuids, order)
-            if pos is None or order[pos] in selected:
+                pos, why = _match_uuid(token, ids, order)
+            if pos is not None and order[pos] in selected:
+                pos, why = None, "names a GPU already listed"
+            if pos is None:
+                known = [f"GPU-{ids[p]}" for p in order if ids[p] is not None]
+                fix = f"use indices 0 to {len(order) - 1}"
+                fix += (f" or unique ids ({', '.join(known)}; 'rocminfo' prints them as Uuid)" if known
+                        else " ('rocminfo' prints the GPUs' unique ids as Uuid)")
                 problems.append(
                     Problem(
                         "AMD",
-                        f"{var}={value}: entry {token!r} matches no (unused) GPU of the {len(order)} "
-                        "available; it and the entries after it are ignored",
-                        f"use indices 0 to {len(order) - 1} or UUIDs from 'amd-smi list'",
+                        f"{var}={value}: entry {token!r} {why}; it and the entries after it are "
+                        f"ignored ({len(order)} GPUs available to it)",
+                        fix,
                     )
                 )
                 break
             selected.append(order[pos])
         order = selected
     return order, problems
+
+
+def _enumeration_hip_uuid(smi: ModuleType, handle: Any) -> str | None:
+    """The ``hip_uuid`` amdsmi reports for a GPU (newer ROCm), or ``None``."""
+    fn = getattr(smi, "amdsmi_get_gpu_enumeration_info", None)
+    if fn is None:
+        return None
+    try:
+        info = fn(handle)
+        value = info.get("hip_uuid") if isinstance(info, Mapping) else None
+    except Exception:  # noqa: BLE001 - an optional extra; the amdsmi UUID serves otherwise
+        return None
+    return str(value) if isinstance(value, str) and unique_id(value) is not None else None
 
 
 def discover_amd(
@@ -526,7 +600,11 @@ def discover_amd(
             uuids.append(str(smi.amdsmi_get_gpu_device_uuid(h)))
         except Exception:  # noqa: BLE001 - a GPU without a UUID can still be used by index
             uuids.append(f"AMD-GPU-{i}")
-    physical, problems = visible_devices(len(handles), uuids, env)
+    # The runtimes' ids are only needed to resolve a selection by unique id.
+    selecting = any(env.get(v) for v in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                         "CUDA_VISIBLE_DEVICES"))
+    hip_uuids = [_enumeration_hip_uuid(smi, h) for h in handles] if selecting else None
+    physical, problems = visible_devices(len(handles), uuids, env, hip_uuids)
     gpus: list[AMDGPU] = []
     for index, p in enumerate(physical):
         try:

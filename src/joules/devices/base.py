@@ -7,12 +7,47 @@ Units are SI throughout: seconds, joules, watts, MHz, degrees Celsius.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from joules.clock import Clock, RealClock
 from joules.errors import NotSupportedError
+
+_T = TypeVar("_T")
+
+# -- fork safety --------------------------------------------------------------------------------
+# A forked child runs only the thread that called fork(); a lock that another thread (the
+# power sampler, say, in the middle of a reading) held at that moment stays locked in the
+# child forever. Device objects are kept across a fork (discover() caches them), so whatever
+# owns such a lock registers here, and the child gives each of them fresh locks.
+_RENEW_AFTER_FORK: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
+
+
+def renew_locks_after_fork(owner: _T, renew: Callable[[_T], None]) -> _T:
+    """Have a forked child call ``renew(owner)`` to replace the locks ``owner`` holds.
+
+    ``owner`` is held weakly (it must support weak references); ``renew`` must not refer to
+    it, or it is never freed. Returns ``owner``.
+    """
+    _RENEW_AFTER_FORK[owner] = renew
+    return owner
+
+
+def _renew_locks_in_child() -> None:
+    for owner, renew in list(_RENEW_AFTER_FORK.items()):
+        try:
+            renew(owner)
+        except Exception:  # noqa: BLE001 - the child must start, whatever one owner does
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_locks_in_child)
 
 
 @dataclass(frozen=True)
@@ -65,7 +100,11 @@ class GPU(ABC):
 
     @abstractmethod
     def average_power_w(self) -> float:
-        """Averaged power reading (a 1 s average on NVIDIA Ampere and newer), W."""
+        """Averaged power reading, W (a 1 s average on NVIDIA Ampere and newer, except GA100).
+
+        Where the device offers no averaged reading (NVIDIA GA100 and older GPUs) this is the
+        instant one.
+        """
 
     def power_update_period_s(self) -> float | None:
         """How often the power reading changes, when known."""
@@ -185,6 +224,10 @@ class WrappingCounter:
         self.wrap = wrap
         self._last: int | None = None
         self._base = 0
+        self._lock = threading.Lock()
+        renew_locks_after_fork(self, WrappingCounter._renew_lock)
+
+    def _renew_lock(self) -> None:
         self._lock = threading.Lock()
 
     def update(self, raw: int) -> int:

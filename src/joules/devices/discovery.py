@@ -15,6 +15,17 @@ _cache: dict[str, DeviceSet] = {}
 _cache_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child finds its devices again: the parent's may be mid-reading, locks held."""
+    global _cache_lock
+    _cache_lock = threading.Lock()
+    _cache.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def discover(
     sim: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -31,7 +42,8 @@ def discover(
     ``DeviceSet.problems`` with its fix; no exception is raised for missing hardware.
 
     The result is cached per process (devices are shared by every monitor); pass
-    ``refresh=True`` to look again.
+    ``refresh=True`` to look again. A forked child starts with an empty cache, so it gets
+    its own device objects.
 
     Raises:
         InvalidSpecError: ``sim``/``JOULES_SIM`` is not a valid SPEC.

@@ -8,9 +8,10 @@ Readings:
 * Energy: ``nvmlDeviceGetTotalEnergyConsumption`` (mJ; Volta and newer), checked once when
   the GPU object is made.
 * Power: the ``NVML_FI_DEV_POWER_INSTANT`` field where the driver supports it, because on
-  Ampere and newer ``nvmlDeviceGetPowerUsage`` is a 1 s average; otherwise
-  ``nvmlDeviceGetPowerUsage``, which is the instant reading on older GPUs. The power scope is
-  ``"gpu"`` (the GPU board) or ``"module"`` (the whole module on Grace-Hopper-like boards).
+  Ampere (except GA100: A100, A30) and newer ``nvmlDeviceGetPowerUsage`` is a 1 s average;
+  otherwise ``nvmlDeviceGetPowerUsage``, which is the instant reading on GA100 and older
+  GPUs. The power scope is ``"gpu"`` (the GPU board) or ``"module"`` (the whole module on
+  Grace-Hopper-like boards).
 * MIG: a MIG device is measured through its parent GPU: NVML reports power and energy for
   the physical GPU only, so readings include every MIG device on it.
 
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from joules.devices.base import GPU, Problem
+from joules.devices.base import GPU, Problem, renew_locks_after_fork
 from joules.devices.visible import MigDevice, resolve_visible_devices
 from joules.errors import DeviceNotFoundError, DevicePermissionError, JoulesError, NotSupportedError
 
@@ -46,7 +47,7 @@ MIN_DRIVER_VERSION = (525, 60)
 
 R525 (525.60, the first CUDA 12.0 driver) is the first whose NVML has the
 ``NVML_FI_DEV_POWER_INSTANT``/``NVML_FI_DEV_POWER_AVERAGE`` fields and power scopes. With an
-older driver, ``power_w`` on Ampere and newer can only return the 1 s average of
+older driver, ``power_w`` on Ampere (except GA100) and newer can only return the 1 s average of
 ``nvmlDeviceGetPowerUsage``, which smears short phases.
 """
 
@@ -64,6 +65,10 @@ _ARCH_NAMES = {
     9: "hopper", 10: "blackwell",
 }
 _PRE_VOLTA = ("kepler", "maxwell", "pascal")
+# Where nvmlDeviceGetPowerUsage is a 1 s average: Ampere and newer, except GA100 (compute
+# capability 8.0: A100, A30, A800), whose reading is instantaneous as on older GPUs.
+_AVERAGING_ARCHS = ("ampere", "ada", "hopper", "blackwell")
+_GA100_NAME = re.compile(r"\bA(100|30|800)\b")
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 _ROOT_FIX = (
@@ -74,6 +79,17 @@ _ROOT_FIX = (
 # NVML modules this process has initialized (NVML counts nvmlInit calls; once is enough).
 _INITIALIZED: weakref.WeakSet[ModuleType] = weakref.WeakSet()
 _INIT_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child initializes NVML itself on next use, and starts with its lock free."""
+    global _INIT_LOCK
+    _INIT_LOCK = threading.Lock()
+    _INITIALIZED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _import_nvml() -> ModuleType:
@@ -122,7 +138,7 @@ def _fast_field_reader(
     except Exception:  # noqa: BLE001 - any mismatch: use the public function instead
         return None
     err, ok = nvml.NVMLError, _const(nvml, "NVML_SUCCESS", 0)
-    lock = threading.Lock()
+    lock = threading.Lock()  # the request array is shared: one reading at a time
 
     def read() -> int:
         with lock:
@@ -136,11 +152,15 @@ def _fast_field_reader(
                 raise err(ret)
             return get_value(value)
 
+    def renew_lock(_: object) -> None:
+        nonlocal lock
+        lock = threading.Lock()  # a forked child: the parent's may have been held
+
     try:
         read()
     except Exception:  # noqa: BLE001 - the public path will report errors properly
         return None
-    return read
+    return renew_locks_after_fork(read, renew_lock)
 
 
 def _field_reader(nvml: ModuleType, handle: object, field_id: int, scope: int) -> Callable[[], int] | None:
@@ -189,6 +209,11 @@ class NVMLGPU(GPU):
         NotSupportedError: When ``power_scope="module"`` and the GPU reports no module power.
         DeviceNotFoundError: When ``mig_uuid`` is not a MIG device of that GPU.
 
+    Attributes:
+        is_ga100: Whether the GPU is a GA100 (compute capability 8.0: A100, A30, A800).
+        power_usage_averaged: Whether ``nvmlDeviceGetPowerUsage`` is a 1 s average (Ampere
+            and newer except GA100) rather than an instant reading.
+
     """
 
     vendor = "nvidia"
@@ -231,6 +256,14 @@ class NVMLGPU(GPU):
 
         self.architecture = self._optional(lambda: _ARCH_NAMES.get(int(nvml.nvmlDeviceGetArchitecture(h))))
         self.architecture = self.architecture or "unknown"
+        capability = self._optional(lambda: tuple(nvml.nvmlDeviceGetCudaComputeCapability(h)))
+        if self.architecture != "ampere":
+            self.is_ga100 = False
+        elif capability is not None:
+            self.is_ga100 = capability == (8, 0)
+        else:
+            self.is_ga100 = _GA100_NAME.search(self.gpu_name) is not None
+        self.power_usage_averaged = self.architecture in _AVERAGING_ARCHS and not self.is_ga100
         self.driver_version: str | None = self._optional(nvml.nvmlSystemGetDriverVersion)
         mode = self._optional(lambda: nvml.nvmlDeviceGetPersistenceMode(h))
         self.persistence_mode: bool | None = (
@@ -539,7 +572,7 @@ class NVMLGPU(GPU):
         if version and version < MIN_DRIVER_VERSION:
             lacking = (
                 "the instant power field is missing, so power readings are 1 s averages"
-                if self.architecture in ("ampere", "ada", "hopper", "blackwell") and not self._instant_field
+                if self.power_usage_averaged and not self._instant_field
                 else "newer power fields and power scopes are missing"
             )
             found.append(
@@ -550,7 +583,7 @@ class NVMLGPU(GPU):
                     "upgrade the NVIDIA driver to R525 or newer",
                 )
             )
-        elif not self._instant_field and self.architecture in ("ampere", "ada", "hopper", "blackwell"):
+        elif not self._instant_field and self.power_usage_averaged:
             found.append(
                 Problem(
                     where,
@@ -571,6 +604,7 @@ class NVMLGPU(GPU):
                 "power_scope": self.power_scope,
                 "power_source": self.power_source,
                 "average_power_source": self.average_power_source,
+                "power_usage_averaged": self.power_usage_averaged,
                 "mig": None
                 if self.mig_uuid is None
                 else {

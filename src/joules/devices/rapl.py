@@ -12,6 +12,11 @@ The kernel exposes Intel (and, since Linux 5.8, AMD Zen) RAPL counters under
         intel-rapl:0:2/      name = dram         (DRAM of that socket, servers)
     intel-rapl:1/            name = psys         (platform, client machines)
 
+On processors with several dies per package (Cascade Lake-AP, some AMD Zen kernels) the
+kernel makes one zone per die, named ``package-P-die-D`` (``intel-rapl:N`` numbered by die
+across the machine), each with its own subzones. Each die zone is one :class:`RaplCPU`, with
+its own DRAM subzone; :attr:`RaplCPU.package_id` and :attr:`RaplCPU.die_id` say which.
+
 Subzones also appear at the top level (``intel-rapl:0:2``); either place is searched.
 Zones named ``amd-rapl:N`` are read the same way, and ``intel-rapl-mmio:N`` zones are used
 only for packages the MSR interface does not provide (they describe the same counter).
@@ -47,7 +52,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from joules.devices.base import CPU, Problem, WrappingCounter
+from joules.devices.base import CPU, Problem, WrappingCounter, renew_locks_after_fork
 from joules.errors import DevicePermissionError, NotSupportedError
 
 #: ``opener(path, flags) -> fd``; :func:`os.open` unless a test injects another.
@@ -68,7 +73,7 @@ NO_RAPL_FIX = (
 )
 
 _ZONE_DIR = re.compile(r"^(intel-rapl|amd-rapl|intel-rapl-mmio):(\d+)(?::(\d+))?$")
-_PACKAGE_NAME = re.compile(r"^package-(\d+)$")
+_PACKAGE_NAME = re.compile(r"^package-(\d+)(?:-die-(\d+))?$")
 _READ_SIZE = 64
 
 
@@ -133,6 +138,7 @@ class RaplZone:
         self.permission_denied = False
         self._counter = WrappingCounter(max_range)
         self._lock = threading.Lock()
+        renew_locks_after_fork(self, RaplZone._renew_lock)
         energy_path = str(self.path / "energy_uj")
         try:
             self._fd = opener(energy_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -146,6 +152,9 @@ class RaplZone:
             self._close_fd()
             reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
             self.error = f"cannot read {energy_path}: {reason}"
+
+    def _renew_lock(self) -> None:
+        self._lock = threading.Lock()  # a forked child: the parent's may have been held
 
     def _max_power_w(self) -> float | None:
         best = 0
@@ -201,16 +210,23 @@ class RaplZone:
 
 
 class RaplCPU(CPU):
-    """One CPU package read through powercap RAPL.
+    """One CPU package (or one die of a multi-die package) read through powercap RAPL.
 
     Args:
-        index: Package (socket) index.
-        package: The package zone.
-        dram: The DRAM subzone of this package, if any.
-        psys: The platform zone (attached to package 0 only).
+        index: Position among the CPUs found (package, then die, order).
+        package: The package zone (``package-P``, or ``package-P-die-D`` for one die).
+        dram: The DRAM subzone of this package or die, if any.
+        psys: The platform zone (attached to the first CPU only).
         name: CPU model name.
         vendor: ``intel``, ``amd`` or ``unknown``.
         root: The powercap directory (used in fix messages).
+        package_id: The package (socket) number the kernel gives the zone (default: ``index``).
+        die_id: The die number within the package, for the zones of multi-die packages
+            (``None`` when the zone covers the whole package).
+
+    Attributes:
+        package_id: Package (socket) number.
+        die_id: Die number within the package, or ``None``.
 
     """
 
@@ -223,6 +239,9 @@ class RaplCPU(CPU):
         name: str = "",
         vendor: str = "unknown",
         root: str | Path = DEFAULT_ROOT,
+        *,
+        package_id: int | None = None,
+        die_id: int | None = None,
     ) -> None:
         self.index = index
         self.name = name or package.name
@@ -231,13 +250,15 @@ class RaplCPU(CPU):
         self.dram = dram
         self.psys = psys
         self.root = Path(root)
+        self.package_id = index if package_id is None else package_id
+        self.die_id = die_id
         self._problems: list[Problem] = []
         denied = [z for z in self.zones() if z.permission_denied]
         if denied:
             self._problems.append(
                 Problem(
                     f"CPU {index}",
-                    f"RAPL energy counters of package {index} are not readable by this user "
+                    f"RAPL energy counters of {self.location} are not readable by this user "
                     f"({', '.join(str(z.path / 'energy_uj') for z in denied)}); they are root-only "
                     "since Linux 5.10 (November 2020)",
                     permission_fix(self.root),
@@ -252,6 +273,13 @@ class RaplCPU(CPU):
                         "RAPL is often unavailable in virtual machines; measure on bare metal",
                     )
                 )
+
+    @property
+    def location(self) -> str:
+        """Which package (and die) this is, in words: ``package 1`` or ``package 1, die 0``."""
+        if self.die_id is None:
+            return f"package {self.package_id}"
+        return f"package {self.package_id}, die {self.die_id}"
 
     def zones(self) -> list[RaplZone]:
         """The zones read for this package (package, then DRAM and psys when present)."""
@@ -303,6 +331,8 @@ class RaplCPU(CPU):
 
     def describe(self) -> dict[str, object]:
         info = super().describe()
+        info["package_id"] = self.package_id
+        info["die_id"] = self.die_id
         info["psys"] = self.has_psys()
         info["zones"] = {z.name: str(z.path) for z in self.zones()}
         info["readable"] = all(z.readable for z in self.zones())
@@ -371,15 +401,16 @@ def discover_rapl(
             a non-root user).
 
     Returns:
-        The packages, ordered by package number, and the problems found. Packages whose
-        counters cannot be read are included; their problems are in the list too.
+        The packages, ordered by package number (one per die, in die order, for packages
+        with several dies), and the problems found. Packages whose counters cannot be read
+        are included; their problems are in the list too.
 
     """
     root = Path(root)
     if not root.is_dir():
         return [], [Problem("CPU", NO_RAPL_MESSAGE, NO_RAPL_FIX)]
-    # prefix -> package number -> (zone dir, subzone dirs)
-    packages: dict[str, dict[int, Path]] = {}
+    # prefix -> (package number, die number or -1 for a whole-package zone) -> zone dir
+    packages: dict[str, dict[tuple[int, int], Path]] = {}
     subzones: dict[tuple[str, str], list[Path]] = {}
     psys_dirs: list[Path] = []
     for path in _zone_dirs(root):
@@ -392,14 +423,15 @@ def discover_rapl(
         name = _read_text(path / "name") or ""
         pm = _PACKAGE_NAME.match(name)
         if pm:
-            packages.setdefault(prefix, {})[int(pm.group(1))] = path
+            die = -1 if pm.group(2) is None else int(pm.group(2))
+            packages.setdefault(prefix, {})[(int(pm.group(1)), die)] = path
         elif name == "psys":
             psys_dirs.append(path)
-    # The MSR interface (intel-rapl / amd-rapl) first; MMIO only for packages it lacks.
-    chosen: dict[int, tuple[str, Path]] = {}
+    # The MSR interface (intel-rapl / amd-rapl) first; MMIO only for packages (dies) it lacks.
+    chosen: dict[tuple[int, int], tuple[str, Path]] = {}
     for prefix in ("intel-rapl", "amd-rapl", "intel-rapl-mmio"):
-        for num, path in packages.get(prefix, {}).items():
-            chosen.setdefault(num, (prefix, path))
+        for key, path in packages.get(prefix, {}).items():
+            chosen.setdefault(key, (prefix, path))
     if not chosen:
         return [], [Problem("CPU", f"{NO_RAPL_MESSAGE}; {root} has no package zones", NO_RAPL_FIX)]
 
@@ -412,9 +444,10 @@ def discover_rapl(
             psys = RaplZone(psys_dirs[0], opener)
         except ValueError as e:
             problems.append(Problem("CPU", f"RAPL psys zone ignored: {e}", ""))
-    for num in sorted(chosen):
+    for key in sorted(chosen):
         index = len(cpus)
-        prefix, path = chosen[num]
+        package_id, die = key
+        prefix, path = chosen[key]
         try:
             package = RaplZone(path, opener)
         except ValueError as e:
@@ -432,10 +465,13 @@ def discover_rapl(
         zone_vendor = vendor
         if zone_vendor == "unknown" and prefix == "amd-rapl":
             zone_vendor = "amd"
+        die_id = None if die < 0 else die
+        name = model or package.name
+        if model and die_id is not None:
+            name = f"{model} (package {package_id}, die {die_id})"
         cpu = RaplCPU(
-            index, package, dram=dram,
-            name=model or package.name, vendor=zone_vendor, root=root,
-            psys=psys if not cpus else None,
+            index, package, dram=dram, name=name, vendor=zone_vendor, root=root,
+            psys=psys if not cpus else None, package_id=package_id, die_id=die_id,
         )
         cpus.append(cpu)
         problems.extend(cpu.problems())

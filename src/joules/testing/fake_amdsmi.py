@@ -121,14 +121,37 @@ class AmdSmiDevPerfLevel(IntEnum):
     MANUAL = 3
 
 
+def amdsmi_uuid(unique_id: int, device_id: int, fcn: int = 0xFF) -> str:
+    """The UUID amdsmi reports for a GPU (``amdsmi_uuid_gen``'s layout).
+
+    The 64-bit unique id (ROCr's and ``rocminfo``'s ``GPU-%016llx``), bytes b7 (most
+    significant) to b0, is spread as ``{b7}{fcn}{did}-0000-1000-80{b6}-{b5..b0}``.
+    """
+    b = unique_id.to_bytes(8, "big")
+    return f"{b[0]:02x}{fcn & 0xFF:02x}{device_id & 0xFFFF:04x}-0000-1000-80{b[1]:02x}-{b[2:].hex()}"
+
+
 class _Handle:
-    """``amdsmi_processor_handle`` of one simulated GPU."""
+    """``amdsmi_processor_handle`` of one simulated GPU.
+
+    Attributes:
+        unique_id: The GPU's 64-bit unique id (what ROCr shows as ``GPU-<16 hex>``).
+        device_id: PCI device id.
+        uuid: What ``amdsmi_get_gpu_device_uuid`` returns (amdsmi's layout of the unique id).
+        hip_uuid: The ``hip_uuid`` of ``amdsmi_get_gpu_enumeration_info`` (tests may change it).
+
+    """
 
     def __init__(self, sim: SimGPU, physical: int) -> None:
         self.sim = sim
         self.physical = physical
-        crc = zlib.crc32(f"{sim.model.name}/{physical}".encode())
-        self.uuid = f"{crc:08x}-0000-1000-80{physical:02x}-{crc:08x}{physical:04x}"
+        name = sim.model.name
+        self.unique_id = (zlib.crc32(f"{name}/{physical}".encode()) << 32) | zlib.crc32(
+            f"{physical}/{name}".encode()
+        )
+        self.device_id = 0x74A1 if sim.model.arch == "cdna3" else 0x740C
+        self.uuid = amdsmi_uuid(self.unique_id, self.device_id)
+        self.hip_uuid = f"GPU-{self.unique_id:016x}"
         self.frozen_ticks: int | None = None
         self.calls = 0
 
@@ -143,6 +166,7 @@ def make_module(
     broken_gpus: Collection[int] | None = None,
     legacy_energy_key: bool = False,
     fail_init: bool = False,
+    enumeration_info: bool = False,
 ) -> types.ModuleType:
     """Build a fake ``amdsmi`` module whose GPUs are ``sim_gpus`` (physical order).
 
@@ -157,6 +181,8 @@ def make_module(
         legacy_energy_key: Report the tick count as ``power`` (amdsmi before ROCm 6.1) rather
             than ``energy_accumulator``.
         fail_init: Make ``amdsmi_init`` fail as it does without a driver.
+        enumeration_info: Provide ``amdsmi_get_gpu_enumeration_info`` (newer ROCm), whose
+            ``hip_uuid`` is each handle's ``hip_uuid``.
 
     Returns:
         A module object to put in ``sys.modules["amdsmi"]``.
@@ -204,12 +230,17 @@ def make_module(
         return {
             "market_name": h.sim.model.name, "vendor_id": 0x1002,
             "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]", "subvendor_id": 0x1002,
-            "device_id": 0x74A1 if h.sim.model.arch == "cdna3" else 0x740C, "rev_id": 0,
-            "asic_serial": f"0x{zlib.crc32(h.uuid.encode()):016X}", "oam_id": h.physical,
+            "device_id": h.device_id, "rev_id": 0,
+            "asic_serial": f"0x{h.unique_id:016X}", "oam_id": h.physical,
         }
 
     def amdsmi_get_gpu_device_uuid(handle: Any) -> str:
         return _check(handle).uuid
+
+    def amdsmi_get_gpu_enumeration_info(handle: Any) -> dict[str, Any]:
+        h = _check(handle)
+        return {"drm_render": 128 + h.physical, "drm_card": h.physical, "hsa_id": h.physical + 1,
+                "hip_id": h.physical, "hip_uuid": h.hip_uuid}
 
     def amdsmi_get_energy_count(handle: Any) -> dict[str, Any]:
         h = _check(handle)
@@ -311,6 +342,8 @@ def make_module(
         amdsmi_set_gpu_clk_range, amdsmi_set_gpu_perf_level, amdsmi_get_temp_metric,
     ):
         setattr(mod, obj.__name__, obj)
+    if enumeration_info:
+        mod.amdsmi_get_gpu_enumeration_info = amdsmi_get_gpu_enumeration_info  # type: ignore[attr-defined]
     mod.AMDSMI_STATUS_NOT_SUPPORTED = AMDSMI_STATUS_NOT_SUPPORTED  # type: ignore[attr-defined]
     mod.AMDSMI_STATUS_NO_PERM = AMDSMI_STATUS_NO_PERM  # type: ignore[attr-defined]
     mod.handles = handles  # type: ignore[attr-defined]  # for tests

@@ -17,7 +17,9 @@ builds the matching ``NVMLError_*`` subclass; field values come back as ctypes
 ``nvmlInit`` raise ``NVMLError_Uninitialized``. What a simulated model lacks is reported as
 NVML does: ``nvmlDeviceGetTotalEnergyConsumption`` raises ``NVMLError_NotSupported`` on a
 P100, and the ``NVML_FI_DEV_POWER_INSTANT`` field has ``nvmlReturn ==
-NVML_ERROR_NOT_SUPPORTED`` on a V100.
+NVML_ERROR_NOT_SUPPORTED`` on a V100. ``nvmlDeviceGetPowerUsage`` returns the model's 1 s
+averaged reading on Ampere and newer, except on GA100 (the A100), where NVML documents it as
+instantaneous, as on older GPUs.
 
 MIG: ``mig={0: 3}`` enables MIG mode on GPU 0 with three MIG devices (reachable through
 ``nvmlDeviceGetMigDeviceHandleByIndex`` and ``nvmlDeviceGetHandleByUUID``). As on real
@@ -53,6 +55,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from joules.devices.base import renew_locks_after_fork
+from joules.devices.sim.catalog import GPUModel
 from joules.devices.sim.gpu import SimGPU
 from joules.errors import DevicePermissionError, NotSupportedError
 
@@ -176,6 +180,18 @@ _ARCH = {
 }
 _COMPUTE_CAPABILITY = {"pascal": (6, 0), "volta": (7, 0), "ampere": (8, 0), "hopper": (9, 0)}
 _MIG_ARCHS = ("ampere", "hopper", "blackwell")
+
+
+def _compute_capability(model: GPUModel) -> tuple[int, int]:
+    """CUDA compute capability of a simulated model (8.6 for the A40, GA102)."""
+    if model.name.endswith("A40"):
+        return (8, 6)
+    return _COMPUTE_CAPABILITY.get(model.arch, (0, 0))
+
+
+def _is_ga100(model: GPUModel) -> bool:
+    """Whether a simulated model is a GA100 (A100): its ``nvmlDeviceGetPowerUsage`` is instant."""
+    return model.arch == "ampere" and _compute_capability(model) == (8, 0)
 _MAX_MIG_DEVICES = 7
 
 
@@ -469,6 +485,7 @@ class FakeNVMLState:
         self.power_fields = major is None or int(major.group()) >= _POWER_FIELDS_DRIVER
         self.calls: Counter[str] = Counter()
         self.lock = threading.RLock()
+        renew_locks_after_fork(self, FakeNVMLState._renew_lock)
         n = len(self.gpus)
         if isinstance(persistence, bool):
             self.persistence = dict.fromkeys(range(n), persistence)
@@ -501,6 +518,9 @@ class FakeNVMLState:
             ]
         self._by_uuid = {h.uuid: h for h in self.handles}
         self._by_uuid.update({h.uuid: h for hs in self.mig_handles.values() for h in hs})
+
+    def _renew_lock(self) -> None:
+        self.lock = threading.RLock()  # a forked child: the parent's may have been held
 
     # -- checks -----------------------------------------------------------------------------
     def handle(self, h: object, *, physical: bool = False) -> _Handle:
@@ -682,10 +702,7 @@ def _api(st: FakeNVMLState) -> dict[str, Callable[..., Any]]:
         return _ARCH.get(st.handle(handle).gpu.model.arch, C.NVML_DEVICE_ARCH_UNKNOWN)
 
     def nvmlDeviceGetCudaComputeCapability(handle: object) -> tuple[int, int]:
-        m = st.handle(handle).gpu.model
-        if m.name.endswith("A40"):
-            return (8, 6)
-        return _COMPUTE_CAPABILITY.get(m.arch, (0, 0))
+        return _compute_capability(st.handle(handle).gpu.model)
 
     def nvmlDeviceGetMemoryInfo(handle: object, version: int | None = None) -> c_nvmlMemory_t:
         h = st.handle(handle)
@@ -781,7 +798,9 @@ def _api(st: FakeNVMLState) -> dict[str, Callable[..., Any]]:
         return round(call(h.gpu.energy_j) * 1000.0)
 
     def nvmlDeviceGetPowerUsage(handle: object) -> int:
-        return mw(call(st.handle(handle, physical=True).gpu.average_power_w))
+        gpu = st.handle(handle, physical=True).gpu
+        # A 1 s average on Ampere and newer, except GA100, where it is the instant reading.
+        return mw(call(gpu.power_w if _is_ga100(gpu.model) else gpu.average_power_w))
 
     def nvmlDeviceGetFieldValues(handle: object, fieldIds: Sequence[Any]) -> Any:
         values = (c_nvmlFieldValue_t * len(fieldIds))()

@@ -2,7 +2,11 @@
 
 Layout mirrors the kernel's: package zones ``intel-rapl:N`` (name ``package-N``) with
 subzones ``intel-rapl:N:M`` (``core``, ``uncore``, ``dram``) nested inside them and also
-linked at the top level, and an optional top-level ``psys`` zone. Counters are written in
+linked at the top level, and an optional top-level ``psys`` zone. With ``dies > 1`` each
+package has one zone per die, named ``package-P-die-D`` as the kernel names them on multi-die
+processors; zone ``intel-rapl:N`` is die ``N % dies`` of package ``N // dies``, and the
+``package`` argument of the counter methods is that zone number ``N`` (see
+:meth:`FakePowercap.zone_number`). Counters are written in
 place (the reader keeps the files open), padded to a fixed width so that a concurrent reader
 never sees a mix of old and new digits.
 
@@ -47,6 +51,8 @@ class FakePowercap:
         dram_max_energy_range_uj: Wrap value of DRAM counters (default: same as packages).
         model_name: CPU model written to :attr:`cpuinfo_path`.
         vendor_id: ``GenuineIntel`` or ``AuthenticAMD``.
+        dies: Dies per package; above 1, every die gets its own zone (``package-P-die-D``)
+            with its own subzones, and counters are addressed by zone number.
 
     """
 
@@ -65,29 +71,35 @@ class FakePowercap:
         dram_max_energy_range_uj: int | None = None,
         model_name: str = "Intel(R) Xeon(R) Platinum 8480+",
         vendor_id: str = "GenuineIntel",
+        dies: int = 1,
     ) -> None:
+        if dies < 1:
+            raise ValueError(f"dies must be at least 1, got {dies}")
         self.root = Path(root) / "powercap"
         self.root.mkdir(parents=True, exist_ok=True)
         self.prefix = prefix
         self.packages = packages
+        self.dies = dies
         self._dirs: dict[tuple[int, str], Path] = {}
         self._max: dict[tuple[int, str], int] = {}
         self._total_uj: dict[tuple[int, str], float] = {}
         (self.root / prefix).mkdir(exist_ok=True)  # the control-type directory, as in sysfs
-        for p in range(packages):
-            pkg = self.root / f"{prefix}:{p}"
-            self._zone(pkg, (p, "package"), f"package-{p}", max_energy_range_uj, max_power_uw)
+        for n in range(packages * dies):
+            p, d = divmod(n, dies)
+            zone_name = f"package-{p}-die-{d}" if dies > 1 else f"package-{p}"
+            pkg = self.root / f"{prefix}:{n}"
+            self._zone(pkg, (n, "package"), zone_name, max_energy_range_uj, max_power_uw)
             names = (["core", "uncore"] if core else []) + (["dram"] if dram else [])
             for name in names:
-                sub = pkg / f"{prefix}:{p}:{_SUBZONES[name]}"
+                sub = pkg / f"{prefix}:{n}:{_SUBZONES[name]}"
                 wrap = dram_max_energy_range_uj if name == "dram" and dram_max_energy_range_uj else (
                     max_energy_range_uj
                 )
-                self._zone(sub, (p, name), name, wrap, None)
+                self._zone(sub, (n, name), name, wrap, None)
                 (self.root / sub.name).symlink_to(sub, target_is_directory=True)
         if psys:
-            self._zone(self.root / f"{prefix}:{packages}", (-1, "psys"), "psys", max_energy_range_uj,
-                       None)
+            self._zone(self.root / f"{prefix}:{packages * dies}", (-1, "psys"), "psys",
+                       max_energy_range_uj, None)
         self.cpuinfo_path = Path(root) / "cpuinfo"
         lines = []
         for p in range(packages):
@@ -111,6 +123,16 @@ class FakePowercap:
         self._max[key] = max_range
         self._total_uj[key] = 0.0
         self._write(key, 0)
+
+    def zone_number(self, package: int, die: int = 0) -> int:
+        """The zone number ``N`` (``intel-rapl:N``) of a package's die: ``package * dies + die``.
+
+        This is what the counter methods take as ``package``; with one die per package it is
+        the package number.
+        """
+        if not (0 <= package < self.packages and 0 <= die < self.dies):
+            raise KeyError(f"fake powercap has no die {die} in package {package}")
+        return package * self.dies + die
 
     def _key(self, package: int, zone: str) -> tuple[int, str]:
         key = (-1, "psys") if zone == "psys" else (package, zone)

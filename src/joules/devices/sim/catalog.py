@@ -31,8 +31,10 @@ class GPUModel:
         power_period_s: How often the power readings are updated.
         sample_fraction: Fraction of each power period the instant sensor averages over
             (part-time sampling: 0.25 on A100/H100).
-        averaged_power_s: Window of the averaged power that ``nvmlDeviceGetPowerUsage``
-            returns (1 s on Ampere and newer); ``None`` when it returns the instant reading.
+        averaged_power_s: Window of the averaged power reading (1 s on Ampere and newer:
+            the ``NVML_FI_DEV_POWER_AVERAGE`` field, and ``nvmlDeviceGetPowerUsage`` except
+            on GA100, the A100, where NVML documents that call as instantaneous); ``None``
+            when there is only the instant reading.
         instant_power_field: Whether the ``NVML_FI_DEV_POWER_INSTANT`` field is supported.
         peak_w: Power a fully busy GPU would draw with no power limit, W.
         voltage_floor: Clock fraction below which the voltage stops scaling down: dynamic
