@@ -188,6 +188,9 @@ def load_train_trace(path: str | Path, workload: str, target_metric: float) -> T
                 raise TraceError(f"{path}, line {line}: target_epoch={text!r} is not an epoch")
             else:
                 epoch = math.ceil(epoch_f)
+                if epoch == 0:  # epochs count from 1: the target is checked after each epoch
+                    raise TraceError(f"{path}, line {line}: target_epoch={text!r}: epochs count "
+                                     f"from 1 (the target is reached after some epoch)")
             if bs <= 0:
                 raise TraceError(f"{path}, line {line}: batch_size={row['batch_size']!r} is not positive")
             if run in runs.setdefault(bs, {}):
