@@ -1,12 +1,10 @@
-import os
-import select
-import signal
 import sys
 import threading
 import time
 import types
 
 import pytest
+from _fork import needs_fork, run_in_forked_child
 
 from joules.devices import nvidia
 from joules.devices.nvidia import NVMLGPU, discover_nvml
@@ -500,38 +498,6 @@ def test_describe_is_json_ready(sim, nvml):
 
 
 # -- fork -------------------------------------------------------------------------------------
-
-
-def run_in_forked_child(fn, timeout_s: float = 10.0) -> str | None:
-    """Fork; the child runs ``fn()`` and sends back ``str`` of its result. ``None`` if it hangs."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            os.close(r)
-            signal.alarm(int(timeout_s) + 5)  # in case the parent cannot kill it
-            try:
-                out = str(fn())
-            except BaseException as e:  # noqa: BLE001
-                out = f"error: {e!r}"
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        if not select.select([r], [], [], timeout_s)[0]:
-            os.kill(pid, signal.SIGKILL)
-            return None
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-        return data.decode()
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-
-
-needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
 @needs_fork

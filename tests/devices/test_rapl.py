@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import errno
 import os
-import select
-import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from _fork import held_in_thread, needs_fork, run_in_forked_child
 
 from joules.clock import VirtualClock
 from joules.devices.base import WrappingCounter
@@ -405,52 +404,6 @@ def test_files_are_opened_once_and_read_with_one_pread(
     per_read_us = (time.perf_counter() - t) / n * 1e6
     # A few µs here (tmpfs); on real sysfs the kernel's MSR read adds a few µs more.
     assert per_read_us < 100.0
-
-
-def run_in_forked_child(fn, timeout_s: float = 10.0) -> str | None:
-    """Fork; the child runs ``fn()`` and sends back ``str`` of its result. ``None`` if it hangs."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            os.close(r)
-            signal.alarm(int(timeout_s) + 5)  # in case the parent cannot kill it
-            try:
-                out = str(fn())
-            except BaseException as e:  # noqa: BLE001
-                out = f"error: {e!r}"
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        if not select.select([r], [], [], timeout_s)[0]:
-            os.kill(pid, signal.SIGKILL)
-            return None
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-        return data.decode()
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-
-
-def held_in_thread(lock) -> threading.Event:
-    """Have another thread take ``lock`` and keep it until the returned event is set."""
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            taken.set()
-            release.wait(20)
-
-    threading.Thread(target=hold, daemon=True).start()
-    assert taken.wait(10)
-    return release
-
-
-needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 
 @needs_fork

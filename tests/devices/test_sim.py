@@ -1,14 +1,11 @@
 from __future__ import annotations
 
 import math
-import os
-import select
-import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from _fork import held_in_thread, needs_fork, run_in_forked_child
 
 from joules.clock import RealClock, VirtualClock
 from joules.devices.base import WrappingCounter
@@ -646,52 +643,6 @@ def test_run_takes_longer_under_a_lower_power_limit():
         sim.step_time_s(1.0, compute_fraction=1.5)
 
 
-def run_in_forked_child(fn, timeout_s: float = 10.0) -> str | None:
-    """Fork; the child runs ``fn()`` and sends back ``str`` of its result. ``None`` if it hangs."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            os.close(r)
-            signal.alarm(int(timeout_s) + 5)  # in case the parent cannot kill it
-            try:
-                out = str(fn())
-            except BaseException as e:  # noqa: BLE001
-                out = f"error: {e!r}"
-            os.write(w, out.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        if not select.select([r], [], [], timeout_s)[0]:
-            os.kill(pid, signal.SIGKILL)
-            return None
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-        return data.decode()
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-
-
-def held_in_thread(lock) -> threading.Event:
-    """Have another thread take ``lock`` and keep it until the returned event is set."""
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            taken.set()
-            release.wait(20)
-
-    threading.Thread(target=hold, daemon=True).start()
-    assert taken.wait(10)
-    return release
-
-
-needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
 @needs_fork
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
 def test_forked_child_discovers_its_own_devices() -> None:
@@ -712,3 +663,17 @@ def test_forked_child_discovers_its_own_devices() -> None:
         release.set()
     assert out is not None, "the child hung on the discovery cache lock"
     assert out == "False 1"  # new device objects, not the parent's (whose locks may be held)
+
+
+@needs_fork
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_forked_child_reads_simulated_devices_whose_locks_the_parent_held() -> None:
+    sim = Simulator("A100,XEON8480")
+    gpu, cpu = sim.gpus[0], sim.cpus[0]
+    releases = [held_in_thread(gpu._lock), held_in_thread(cpu._lock)]  # a sampler mid-read
+    try:
+        out = run_in_forked_child(lambda: (gpu.power_w() > 0, cpu.package_energy_j() > 0))
+    finally:
+        for r in releases:
+            r.set()
+    assert out == "(True, True)", "the child hung on a simulated device's lock"
