@@ -991,3 +991,28 @@ def test_an_edge_read_racing_the_sampler_keeps_value_and_update_time_together() 
     truth = gpu.true_energy_j() - before
     assert truth == pytest.approx(400.0, rel=0.01)
     assert m.gpu[0].energy_j == pytest.approx(truth, abs=2.0)
+
+
+@pytest.mark.parametrize(("spec", "length"),
+                         [("H100x2,nocpu", 0.05), ("A100,nocpu", 0.05), ("P100,nocpu", 0.005)])
+def test_a_short_window_at_a_load_change_no_reading_saw_is_within_its_uncertainty(
+        spec: str, length: float) -> None:
+    """A window shorter than the counter period (or the samples) that starts with a load no
+    sensor has reported yet is extrapolated from idle readings: its uncertainty is the worst
+    case, from 0 W to the highest power limit, and covers the truth."""
+    for start in (0.0, 0.013, 0.041, 0.077):
+        sim = Simulator(spec)
+        mon = EnergyMonitor(devices=sim.devices())
+        sim.advance(2.0 + start)  # idle so far
+        sim.set_workload(Periodic([(0.3, 1.0), (0.1, 0.2)]))
+        before = Truth(sim)
+        mon.begin_window("burst")
+        sim.advance(length)
+        m = mon.end_window("burst")
+        truth = Truth(sim).since(before)["gpu"]
+        for k, d in m.gpu.items():
+            assert d.corrected
+            assert abs(d.energy_j - truth[k]) <= d.uncertainty_j, (start, k, d, truth[k])
+            limit = sim.gpus[k].power_limit_range_w()[1]
+            assert d.uncertainty_j <= limit * length * 1.01  # never more than the whole range
+    mon.close()

@@ -71,6 +71,17 @@ def _select(items: Sequence[GPU] | Sequence[CPU], wanted: Sequence[int] | None, 
     return out
 
 
+def _power_ceiling_w(gpu: GPU) -> float | None:
+    """The most a GPU draws on average: its highest settable power limit (else its limit now)."""
+    try:
+        return float(gpu.power_limit_range_w()[1])
+    except Exception:  # noqa: BLE001 - no power-limit support: try the limit in force
+        try:
+            return float(gpu.power_limit_w())
+        except Exception:  # noqa: BLE001
+            return None
+
+
 class EnergyMonitor:
     """Measures time and energy of named windows of code.
 
@@ -122,6 +133,7 @@ class EnergyMonitor:
         self.cpus: list[CPU] = _select(self.devices.cpus, cpu_indices, "CPU")
         self._dram = [c.has_dram() for c in self.cpus]
         self._periods = [g.energy_counter_period_s() or 0.0 for g in self.gpus]
+        self._ceilings = [_power_ceiling_w(g) for g in self.gpus]
         self._sync = make_sync(sync, [g.index for g in self.gpus])
         self._log = None
         if log is not None:
@@ -356,6 +368,23 @@ class EnergyMonitor:
         spread = self.sampler.power_spread(gpu.index)
         return power * elapsed, (spread + _GPU_POWER_RESOLUTION_W) * elapsed
 
+    def _estimate_bound(self, k: int, power: float, elapsed: float) -> float:
+        """Worst-case error of taking one power reading as a short window's average power."""
+        return self._window_bound(k, power * elapsed, elapsed)
+
+    def _window_bound(self, k: int, energy: float, elapsed: float) -> float:
+        """Worst-case error of ``energy`` for a window no reading resolves on its own.
+
+        Such a window (shorter than the counter's update period, or holding fewer than two
+        power samples) is measured by extrapolating readings taken before it, so a load that
+        changed at its start may be invisible: the GPU may have drawn anything from 0 W to
+        its highest power limit meanwhile, and the error is at most the distance from
+        ``energy`` to the farther end of that range.
+        """
+        power = energy / elapsed if elapsed > 0 else 0.0
+        ceiling = max(self._ceilings[k] or 2.0 * power, power)
+        return max(power, ceiling - power) * elapsed + _GPU_POWER_RESOLUTION_W * elapsed
+
     def _measure(self, begin: _Edge, end: _Edge) -> Measurement:
         elapsed = max(0.0, end.t - begin.t)
         gpu: dict[int, DeviceEnergy] = {}
@@ -372,7 +401,7 @@ class EnergyMonitor:
                 power = self._power_now(g, end.t)
                 energy = power * elapsed
                 source, corrected = Source.ESTIMATE, True
-                uncertainty = (self.sampler.power_spread(g.index) + _GPU_POWER_RESOLUTION_W) * elapsed
+                uncertainty = self._estimate_bound(k, power, elapsed)
             elif self._counter[k]:
                 tracker = self._trackers[k]
                 assert tracker is not None
@@ -380,6 +409,8 @@ class EnergyMonitor:
                 source = Source.COUNTER
                 corrected = elapsed < self._periods[k]
                 uncertainty = b.uncertainty + e.uncertainty
+                if corrected:  # no counter update brackets the window: worst case, as estimates
+                    uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
             else:
                 n = e.samples - b.samples
                 if n >= 2:
@@ -388,7 +419,8 @@ class EnergyMonitor:
                 else:
                     # Too short for the samples to resolve: the power reading now (the sensor
                     # period closest to the window) times the elapsed time.
-                    energy = self._power_now(g, end.t) * elapsed
+                    power = self._power_now(g, end.t)
+                    energy = power * elapsed
                     source, corrected = Source.ESTIMATE, True
                 interval = self.sampler.interval_s
                 spread = self.sampler.power_spread(g.index)
@@ -396,6 +428,8 @@ class EnergyMonitor:
                 # there, however short the window (a sample taken inside a short window
                 # revises the power assumed at its begin edge).
                 uncertainty = spread * 2 * interval + _GPU_POWER_RESOLUTION_W * elapsed
+                if source is Source.ESTIMATE:
+                    uncertainty = max(uncertainty, self._estimate_bound(k, power, elapsed))
             gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
         cpu: dict[int, DeviceEnergy] = {}
         dram: dict[int, DeviceEnergy] = {}
