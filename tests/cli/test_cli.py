@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from joules.cli import main
 from joules.cli.demo import run_demo
+from joules.testing.processes import sim_child_env
 
 JOULES = str(Path(sys.executable).parent / "joules")
 
@@ -245,6 +247,66 @@ def test_power_ctrl_c_prints_totals() -> None:
     assert r.returncode == 0, r.stderr
     total = json.loads(r.stdout.strip().splitlines()[-1])
     assert total["energy_j"]["gpu0"] == pytest.approx(55.0 * total["time_s"], rel=0.3)
+
+
+def test_power_to_a_file_prints_one_line_per_reading_then_totals(tmp_path: Path) -> None:
+    _, env = sim_child_env(tmp_path)
+    out = tmp_path / "power.txt"
+    with out.open("w") as f:
+        r = subprocess.run([JOULES, "power", "--sim", "A100", "--interval", "0.2", "--duration", "1.1"],
+                           stdout=f, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text.endswith("\n")
+    lines = text.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.strip() == "energy")  # a line of its own
+    readings = lines[:title]
+    assert 4 <= len(readings) <= 7
+    for line in readings:
+        assert re.fullmatch(r"\d+\.\d s: gpu0 55\.0 W, cpu0 \d+\.\d W, dram0 \d+\.\d W", line), line
+    assert float(readings[-1].split(" s:")[0]) == pytest.approx(1.1, abs=0.3)
+    assert any(line.startswith("│ GPU 0") for line in lines[title:])
+    assert lines[-1].startswith("└")  # the totals table ends the output
+
+
+def _terminate_after_first_reading(args: list[str], tmp_path: Path) -> tuple[int, str, str]:
+    """Start joules with stdout to a file, send it SIGTERM once a reading is out; (code, out, err)."""
+    import os
+    import signal
+    import time
+
+    _, env = sim_child_env(tmp_path)
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as o, err.open("w") as e:
+        p = subprocess.Popen([JOULES, *args], stdout=o, stderr=e, env=env)
+    deadline = time.monotonic() + 20
+    while not out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGTERM)
+    code = p.wait(timeout=30)
+    return code, out.read_text(), err.read_text()
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_sigterm_to_power_prints_totals_and_writes_the_timeline(as_json: bool, tmp_path: Path) -> None:
+    timeline = tmp_path / "power.jsonl"
+    args = ["power", "--sim", "A100", "--interval", "0.1", "--timeline", str(timeline)]
+    code, out, err = _terminate_after_first_reading([*args, "--json"] if as_json else args, tmp_path)
+    assert code == 0, err  # as after Ctrl-C
+    if as_json:
+        total = json.loads(out.splitlines()[-1])
+        assert total["energy_j"]["gpu0"] == pytest.approx(55.0 * total["time_s"], rel=0.3)
+    else:
+        assert out.endswith("\n") and "energy" in out and "│ total" in out
+    samples = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert samples and all(s["device"] == "gpu0" for s in samples)
+
+
+def test_python_m_joules_is_the_command_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "joules", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "measure" in r.stdout and "power" in r.stdout
 
 
 def test_measure_ctrl_c_reaches_the_command_and_still_reports() -> None:

@@ -158,6 +158,19 @@ def test_plan_errors_are_one_line(fake_solver, profile_csv: Path, tmp_path: Path
     assert fake_solver == []
 
 
+def test_plan_out_must_be_a_directory(fake_solver, profile_csv: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("not plans\n")
+    assert main(plan_args(profile_csv, taken)) == 2
+    assert error_line(capsys) == f"joules: error: --out {taken} is a file; give a directory"
+    assert main(plan_args(profile_csv, taken / "plans")) == 2
+    assert error_line(capsys) == (f"joules: error: --out {taken / 'plans'}: {taken} is a file; "
+                                  "give a directory")
+    assert taken.read_text() == "not plans\n"
+    assert fake_solver == []  # refused before solving
+
+
 @pytest.mark.parametrize("value", ["inf", "1e999", "-inf", "nan", "1e-300"])
 def test_plan_refuses_a_unit_time_that_is_not_a_finite_number_of_at_least_a_microsecond(
         value: str, profile_csv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +244,27 @@ def test_show_picks_the_plan_for_a_time_and_writes_png(planned: tuple[Path, Fron
     svg = ET.parse(out / f"schedule-{middle * 1e3:g}ms.svg").getroot()
     freqs = {int(r.get("data-frequency")) for r in svg.iter(f"{SVG}rect") if r.get("data-frequency")}
     assert freqs == set(frontier.fastest.frequencies)
+
+
+def test_show_warns_when_no_plan_is_as_fast_as_the_time(planned: tuple[Path, Frontier],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out, frontier = planned
+    fastest = frontier.fastest
+    time = fastest.time_s / 2
+    assert main(["pipeline", "show", str(out), "--time", repr(time)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"joules: warning: no plan is as fast as --time {time:g} s; the shortest "
+                            f"iteration is {fastest.time_s * 1e3:,.1f} ms: showing that plan\n")
+    assert captured.out.startswith(f"plan for the shortest iteration: {fastest.time_s * 1e3:,.1f} ms")
+    assert f"wrote {out / 'schedule.svg'}" in captured.out
+    assert not list(out.glob("schedule-*"))  # not named after a time no plan has
+    svg = ET.parse(out / "schedule.svg").getroot()
+    freqs = {int(r.get("data-frequency")) for r in svg.iter(f"{SVG}rect") if r.get("data-frequency")}
+    assert freqs == set(fastest.frequencies)
+    # At the fastest time itself: no warning, the picture named after the time.
+    assert main(["pipeline", "show", str(out), "--time", repr(fastest.time_s)]) == 0
+    assert capsys.readouterr().err == ""
+    assert (out / f"schedule-{fastest.time_s * 1e3:g}ms.svg").is_file()
 
 
 def test_show_errors(planned: tuple[Path, Frontier], tmp_path: Path,

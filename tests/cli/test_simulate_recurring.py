@@ -64,3 +64,28 @@ def test_missing_directory_and_gpu(capsys: pytest.CaptureFixture[str], tmp_path:
     (tmp_path / "summary_power_a40.csv").write_text("dataset\n")
     assert main([*args, str(tmp_path)]) == 2
     assert "summary_power_v100.csv (GPUs with a trace: a40)" in capsys.readouterr().err
+
+
+def test_traces_that_are_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    file = tmp_path / "summary_train.csv"
+    file.write_text("dataset\n")
+    assert main(["simulate", "recurring", "--gpu", "v100", "--workload", "squad/bert_base_uncased",
+                 "--traces", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"joules: error: not a trace directory: {file} is a file, not a directory\n"
+
+
+def test_gpu_name_in_any_case(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    (tmp_path / "summary_power_a40.csv").write_text("dataset\n")
+    args = ["simulate", "recurring", "--workload", "squad/bert_base_uncased", "--traces", str(tmp_path)]
+    assert main([*args, "--gpu", "A40"]) == 2
+    err = capsys.readouterr().err
+    assert "power trace" not in err and "training trace not found" in err  # A40 found the a40 trace
+    assert main([*args, "--gpu", "V100"]) == 2
+    assert "summary_power_V100.csv (GPUs with a trace: a40)" in capsys.readouterr().err
+
+
+@needs_data
+def test_gpu_name_is_the_traces_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(recurring("--gpu", "V100", "--workload", "cifar100/shufflenetv2", "--recurrences", "3")) == 0
+    assert "cifar100/shufflenetv2 on v100: 3 recurrences" in capsys.readouterr().out

@@ -77,3 +77,18 @@ def test_default_database_and_token_from_environment(tmp_path: Path) -> None:
         assert httpx.get(f"{server.url}/jobs/x").status_code == 401
         right = httpx.get(f"{server.url}/jobs/x", headers={"Authorization": "Bearer env-token"})
         assert right.status_code == 404
+
+
+def test_start_up_line_names_the_address_and_the_database(tmp_path: Path) -> None:
+    db = tmp_path / "bso.sqlite"
+    with ServerProcess(str(db), tmp_path / "server.log") as server:  # --log-level warning
+        lines = server.log().splitlines()
+    assert lines[:1] == [f"joules serve: listening on {server.url}, database sqlite:///{db}"]
+
+
+def test_start_up_line_hides_the_password() -> None:
+    from joules.cli.serve import start_line
+
+    line = start_line("postgresql+psycopg://bso:s3cret@db.internal:5432/bso", "::1", 8000)
+    assert line == ("joules serve: listening on http://[::1]:8000, "
+                    "database postgresql+psycopg://bso:***@db.internal:5432/bso")

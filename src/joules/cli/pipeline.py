@@ -45,6 +45,16 @@ def _pct(value: float, reference: float) -> str:
     return f"{100 * (value / reference - 1):+.1f} %" if reference else "n/a"
 
 
+def _check_out_directory(out: Path) -> None:
+    """Fail before solving when ``--out``, or the nearest folder that exists above it, is a file."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise JoulesError(f"--out {out} is a file; give a directory" if p == out
+                                  else f"--out {out}: {p} is a file; give a directory")
+            return
+
+
 @pipeline_app.command("plan")
 def plan(
     profile: list[Path] = typer.Option(..., "--profile", metavar="FILE",
@@ -70,6 +80,7 @@ def plan(
     from joules.optimizers.pipeline.schedule import build_dag
 
     name = _schedule(schedule)
+    _check_out_directory(out)
     if not (math.isfinite(unit_time) and unit_time >= 1e-6):
         raise JoulesError(f"bad --unit-time {unit_time:g} "
                           f"(expected a finite number of seconds, at least 1e-06)")
@@ -134,8 +145,9 @@ def show(
     time: float | None = typer.Option(None, "--time", metavar="SECONDS",
                                       help="Iteration time to plan for (default: the shortest)."),
     out: Path | None = typer.Option(None, "--out", metavar="FILE",
-                                    help="Picture to write, .svg or .png (default: DIR/schedule.svg, or "
-                                         "DIR/schedule-<ms>ms.svg with --time)."),
+                                    help="Picture to write, .svg or .png (default: DIR/schedule-<ms>ms.svg "
+                                         "with --time, DIR/schedule.svg without it or when no plan is "
+                                         "that fast)."),
     profile: Path | None = typer.Option(None, "--profile", metavar="FILE",
                                         help="Profile CSV the frontier was planned from (default: "
                                              "DIR/profile.csv)."),
@@ -159,6 +171,10 @@ def show(
             )
     prof = PipelineProfile.from_csv(profile)
     dag = frontier.dag
+    if time is not None and frontier.min_time_s > time * (1 + 1e-12):
+        print(f"joules: warning: no plan is as fast as --time {time:g} s; the shortest iteration is "
+              f"{frontier.min_time_s * 1e3:,.1f} ms: showing that plan", file=sys.stderr)
+        time = None  # the picture and the headline are the shortest iteration's
     chosen = frontier.fastest if time is None else frontier.plan_for_time(time)
     check = evaluate(dag, prof, chosen.frequencies, frontier.blocking_power_w)
     if abs(check.time_s - chosen.time_s) > max(0.02 * chosen.time_s, 2 * frontier.unit_time_s):

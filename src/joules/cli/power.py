@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import nullcontext
 
@@ -53,6 +54,17 @@ def _table(sample: dict[str, float], elapsed: float) -> Table:
     return t
 
 
+def _line(sample: dict[str, float], elapsed: float) -> str:
+    """One reading as a plain line, for output that is not a terminal."""
+    readings = ", ".join(f"{k} {v:,.1f} W" for k, v in sample.items()) or "no devices"
+    return f"{elapsed:,.1f} s: {readings}"
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGTERM ends the readings as Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
 def register(app: typer.Typer) -> None:
     """Add the command to the app."""
 
@@ -66,7 +78,10 @@ def register(app: typer.Typer) -> None:
                                             help="Write GPU power samples to FILE (.csv or .jsonl)."),
         sim: str | None = typer.Option(None, "--sim", metavar="SPEC", help=SIM_HELP),
     ) -> None:
-        """Show live power per device; on Ctrl-C or after --duration, total energy per device."""
+        """Show live power per device; on Ctrl-C, SIGTERM or after --duration, total energy per device.
+
+        When stdout is not a terminal, each reading is one plain line.
+        """
         check_duration("--interval", interval)
         check_duration("--duration", duration)
         use_sim(sim)
@@ -83,8 +98,10 @@ def register(app: typer.Typer) -> None:
             out.update(cpu_power.poll())
             return out
 
+        live_view = not as_json and console.is_terminal  # Live only redraws on a terminal
+        previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
-            view = nullcontext() if as_json else Live(console=console, auto_refresh=False)
+            view = Live(console=console, auto_refresh=False) if live_view else nullcontext()
             with view as live:
                 while True:
                     remaining = None if duration is None else duration - (time.monotonic() - start)
@@ -95,11 +112,14 @@ def register(app: typer.Typer) -> None:
                     elapsed = time.monotonic() - start
                     if as_json:
                         print(json.dumps({"time_s": round(elapsed, 3), "power_w": reading}), flush=True)
-                    else:
+                    elif live_view:
                         live.update(_table(reading, elapsed), refresh=True)
+                    else:
+                        print(_line(reading, elapsed), flush=True)
         except KeyboardInterrupt:
             pass
         finally:
+            signal.signal(signal.SIGTERM, previous_term)
             m = monitor.end_window("power")
             monitor.close()
         if as_json:
@@ -107,7 +127,7 @@ def register(app: typer.Typer) -> None:
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
                 **{f"cpu{k}": v for k, v in m.cpu_energy_j.items()},
                 **{f"dram{k}": v for k, v in m.dram_energy_j.items()},
-            }, "total_energy_j": m.total_energy_j}))
+            }, "total_energy_j": m.total_energy_j}), flush=True)
         else:
             console.print(measurement_table(m, "energy"))
         export_timeline(monitor, timeline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
 
 import typer
@@ -75,6 +76,14 @@ def prepare_database(database_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
+def start_line(url: str, host: str, port: int) -> str:
+    """The line ``joules serve`` prints on start-up: where it listens and its database (password hidden)."""
+    from joules.servers.batch_size import db as dbm
+
+    address = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"joules serve: listening on http://{address}:{port}, database {dbm.safe_url(url)}"
+
+
 def register(app: typer.Typer) -> None:
     """Add the command to the app."""
 
@@ -117,6 +126,7 @@ def register(app: typer.Typer) -> None:
         factory = appm.load_policy_factory(policy_factory)  # fails early on a bad MODULE:NAME
         _check_port(host, port)
         url = prepare_database(db)
+        print(start_line(url, host, port), file=sys.stderr, flush=True)  # whatever --log-level says
         return _run(url, host, port, workers, token, log_level.lower(), policy_factory, factory)
 
 

@@ -71,7 +71,7 @@ def power_limit(
 def recurring(
     traces: Path = typer.Option(..., "--traces", metavar="DIR",
                                 help="Directory with summary_train.csv and summary_power_{gpu}.csv."),
-    gpu: str = typer.Option(..., "--gpu", help="GPU of the power trace: v100 or a40."),
+    gpu: str = typer.Option(..., "--gpu", help="GPU of the power trace: v100 or a40 (any case)."),
     workload: str = typer.Option(..., "--workload", metavar="DATASET/NETWORK",
                                  help="e.g. cifar100/shufflenetv2."),
     recurrences: int | None = typer.Option(None, "--recurrences", min=1,
@@ -103,11 +103,12 @@ def recurring(
     console = Console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        task = bar.add_task(f"{workload} on {gpu}, {policy}", total=recurrences or job.default_recurrences())
+        task = bar.add_task(f"{workload} on {job.gpu}, {policy}",
+                            total=recurrences or job.default_recurrences())
         result = simulate(job, policy=policy, recurrences=recurrences, seed=seed, eta=eta, beta=beta,
                           progress=lambda done, total: bar.update(task, completed=done, total=total))
     r = result.to_dict()
-    t = Table(title=f"{workload} on {gpu}: {r['recurrences']} recurrences, {policy} policy, "
+    t = Table(title=f"{workload} on {job.gpu}: {r['recurrences']} recurrences, {policy} policy, "
                     f"eta {eta:g}, beta {beta:g}, seed {seed}")
     for col in ("run", "energy (MJ)", "time (h)", "cost", "vs default", "vs hindsight"):
         t.add_column(col, justify="right")

@@ -29,7 +29,7 @@ DEFAULT_PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/test"
 def joules_command() -> list[str]:
     """The ``joules`` entry point of the running interpreter's environment."""
     script = Path(sys.executable).with_name("joules")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "joules.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "joules"]
 
 
 class ServerProcess:

@@ -265,7 +265,7 @@ def load_job(traces_dir: str | Path, gpu: str, workload: str | JobSpec) -> JobTr
 
     Args:
         traces_dir: Directory with ``summary_train.csv`` and ``summary_power_{gpu}.csv``.
-        gpu: GPU model, e.g. ``v100`` or ``a40``.
+        gpu: GPU model, e.g. ``v100`` or ``a40``, in any case (the trace's name is kept).
         workload: ``DATASET/NETWORK`` of one of :data:`JOBS`, or a :class:`JobSpec`.
 
     The candidate batch sizes are those with seed runs in the training trace and a profile
@@ -284,11 +284,18 @@ def load_job(traces_dir: str | Path, gpu: str, workload: str | JobSpec) -> JobTr
     else:
         raise TraceError(f"unknown workload {workload!r} (known: {', '.join(JOBS)})")
     if not traces_dir.is_dir():
+        if traces_dir.exists():
+            raise TraceError(f"not a trace directory: {traces_dir} is a file, not a directory")
         raise TraceError(f"trace directory not found: {traces_dir}")
     power_path = traces_dir / f"summary_power_{gpu}.csv"
     if not power_path.is_file():
-        have = ", ".join(known_gpus(traces_dir)) or "none"
-        raise TraceError(f"power trace not found: {power_path} (GPUs with a trace: {have})")
+        have = known_gpus(traces_dir)
+        same = [g for g in have if g.lower() == gpu.lower()]  # V100 is the trace's v100
+        if len(same) != 1:
+            raise TraceError(f"power trace not found: {power_path} (GPUs with a trace: "
+                             f"{', '.join(have) or 'none'})")
+        gpu = same[0]
+        power_path = traces_dir / f"summary_power_{gpu}.csv"
     train = load_train_trace(traces_dir / "summary_train.csv", spec.workload, spec.target_metric)
     profiles, max_power_w = _power_profiles(power_path, spec.workload, train.optimizer)
     batch_sizes = tuple(sorted(set(train.runs) & set(profiles)))
