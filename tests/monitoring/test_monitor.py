@@ -937,12 +937,18 @@ def test_log_csv_refuses_a_file_written_for_other_devices(tmp_path: Path) -> Non
 def test_log_written_after_close_is_appended_and_closed(tmp_path: Path) -> None:
     path = tmp_path / "windows.jsonl"
     sim, mon = setup("A100,nocpu", Constant(0.5), log=path)
+    m = measure_span(sim, mon, "early", 0.5)[0]
     mon.begin_window("late")
     sim.advance(0.5)
     mon.close()
-    m = mon.end_window("late")
-    assert mon._log is not None and mon._log._file is None  # nothing left open
-    assert Measurement.from_dict(json.loads(path.read_text().splitlines()[-1])) == m
+    with pytest.raises(WindowError, match="closed"):  # close() discards open windows
+        mon.end_window("late")
+    assert mon._log is not None
+    mon._log.write(m)  # a window ending while the monitor closes: appended, file closed again
+    assert mon._log._file is None  # nothing left open
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    assert Measurement.from_dict(json.loads(lines[-1])) == m
 
 
 def test_sampled_gpu_begin_edge_revision_keeps_to_the_sensor_period() -> None:
@@ -1016,3 +1022,189 @@ def test_a_short_window_at_a_load_change_no_reading_saw_is_within_its_uncertaint
             limit = sim.gpus[k].power_limit_range_w()[1]
             assert d.uncertainty_j <= limit * length * 1.01  # never more than the whole range
     mon.close()
+
+
+# -- windows open at close, generators and coroutines, concurrent begin, failed end edges ---------
+def test_close_discards_open_windows_and_refuses_new_ones() -> None:
+    sim, mon = setup("A100,XEON8480", Constant(1.0))
+    mon.begin_window("long")
+    with pytest.raises(WindowError, match="monitor was closed"):
+        with mon.window("block"):
+            sim.advance(1.0)
+            mon.close()
+    assert mon.open_windows == []
+    sim.advance(800.0)  # the sampler no longer keeps the counters current
+    with pytest.raises(WindowError, match="monitor was closed"):
+        mon.end_window("long")
+    with pytest.raises(WindowError, match="monitor was closed"):
+        mon.cancel_window("long")
+    with pytest.raises(WindowError, match="closed"):
+        mon.begin_window("new")
+    with pytest.raises(WindowError, match="closed"):
+        mon.restart_window("long")
+
+
+def test_measure_spans_generators_and_coroutines() -> None:
+    import asyncio
+    import inspect
+
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+
+    @mon.measure("gen")
+    def gen(n: int):
+        for i in range(n):
+            sim.advance(1.0)
+            yield i
+
+    @mon.measure("coro")
+    async def coro() -> int:
+        sim.advance(1.0)
+        await asyncio.sleep(0)
+        return 7
+
+    @mon.measure("agen")
+    async def agen():
+        for i in range(2):
+            sim.advance(1.0)
+            yield i
+
+    assert inspect.isgeneratorfunction(gen)
+    assert inspect.iscoroutinefunction(coro)
+    assert inspect.isasyncgenfunction(agen)
+
+    before = Truth(sim)
+    assert list(gen(3)) == [0, 1, 2]
+    m, true = mon.last["gen"], Truth(sim).since(before)
+    assert m.elapsed_s == pytest.approx(3.0)
+    assert abs(m.gpu[0].energy_j - true["gpu"][0]) <= m.gpu[0].uncertainty_j
+
+    it = gen(5)  # closed early: the window ends with it
+    assert next(it) == 0 and next(it) == 1
+    it.close()
+    assert mon.last["gen"].elapsed_s == pytest.approx(2.0)
+    assert mon.open_windows == []
+
+    it = gen(5)  # an exception inside cancels the window
+    next(it)
+    with pytest.raises(KeyError):
+        it.throw(KeyError("x"))
+    assert mon.open_windows == [] and mon.last["gen"].elapsed_s == pytest.approx(2.0)
+
+    before = Truth(sim)
+    assert asyncio.run(coro()) == 7
+    m, true = mon.last["coro"], Truth(sim).since(before)
+    assert m.elapsed_s == pytest.approx(1.0)
+    assert abs(m.gpu[0].energy_j - true["gpu"][0]) <= m.gpu[0].uncertainty_j
+
+    async def consume() -> list[int]:
+        return [i async for i in agen()]
+
+    assert asyncio.run(consume()) == [0, 1]
+    assert mon.last["agen"].elapsed_s == pytest.approx(2.0)
+    assert mon.open_windows == []
+
+
+def test_end_or_cancel_while_begin_edge_is_taken() -> None:
+    entered, release = threading.Event(), threading.Event()
+    hold = [False]
+
+    def sync() -> None:
+        if hold[0]:
+            entered.set()
+            assert release.wait(10)
+
+    sim, mon = setup("A100,XEON8480", Constant(0.5), sync=sync)
+    errors: list[BaseException] = []
+
+    def begin() -> None:
+        try:
+            mon.begin_window("x")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    for op in ("end", "cancel"):
+        entered.clear()
+        release.clear()
+        hold[0] = True
+        t = threading.Thread(target=begin)
+        t.start()
+        assert entered.wait(10)
+        hold[0] = False
+        if op == "end":
+            with pytest.raises(WindowError, match="still beginning"):
+                mon.end_window("x")
+        else:
+            mon.cancel_window("x")
+        release.set()
+        t.join(10)
+        assert errors == []
+        if op == "end":
+            assert mon.open_windows == ["x"]
+            sim.advance(0.5)
+            assert mon.end_window("x").elapsed_s == pytest.approx(0.5)
+        else:
+            assert mon.open_windows == []  # the cancelled window does not come back
+    mon.close()
+
+
+def test_counter_reset_in_window_longer_than_sample_buffer() -> None:
+    sim, mon = setup("A100,nocpu", Constant(1.0))
+    g = sim.gpus[0]
+    assert mon.sampler.interval_s * mon.sampler.capacity < 3600
+    e0 = g.true_energy_j()
+    mon.begin_window("w")
+    sim.advance(1800.0)
+    sim.set_workload(Constant(0.0))
+    sim.advance(1800.0)
+    g._offset_j -= g.energy_j()  # driver reload: the counter restarts
+    sim.advance(60.0)
+    d = mon.end_window("w").gpu[0]
+    assert d.source is Source.SAMPLED
+    assert abs(d.energy_j - (g.true_energy_j() - e0)) <= d.uncertainty_j
+
+
+def test_failed_end_edge_of_block_or_measured_call_removes_window() -> None:
+    fail = [False]
+
+    def sync() -> None:
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("device error at end edge")
+
+    sim, mon = setup("A100,nocpu", Constant(0.5), sync=sync)
+
+    @mon.measure("step")
+    def step() -> None:
+        sim.advance(0.5)
+        fail[0] = True
+
+    with pytest.raises(RuntimeError):
+        step()
+    assert mon.open_windows == []
+    with pytest.raises(RuntimeError):
+        with mon.window("block"):
+            fail[0] = True
+    assert mon.open_windows == []
+    mon.begin_window("named")  # a named window stays open to be ended again
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        mon.end_window("named")
+    assert mon.open_windows == ["named"]
+    sim.advance(0.1)
+    assert mon.end_window("named").elapsed_s == pytest.approx(0.1)
+
+
+def test_cpu_bound_covers_windows_without_a_rapl_update() -> None:
+    sim, mon = setup("XEON8480", Constant(1.0), warm=1.0)
+    c = sim.cpus[0]
+    rng = random.Random(0)
+    for _ in range(200):
+        sim.advance(rng.uniform(0, 0.01))
+        length = rng.uniform(0.0001, 0.003)
+        e0, d0 = c.true_package_energy_j(), c.true_dram_energy_j()
+        mon.begin_window("w")
+        sim.advance(length)
+        m = mon.end_window("w")
+        for d, true in ((m.cpu[0], c.true_package_energy_j() - e0), (m.dram[0], c.true_dram_energy_j() - d0)):
+            assert d.uncertainty_j > 0
+            assert abs(d.energy_j - true) <= d.uncertainty_j + 1e-12

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from joules.devices.base import CPU, GPU, DeviceSet
 from joules.devices.discovery import discover
@@ -27,7 +28,9 @@ R = TypeVar("R")
 # Counter resolution of NVML (1 mJ) and RAPL-scale resolution used in uncertainty bounds.
 _GPU_COUNTER_RESOLUTION_J = 0.001
 _GPU_POWER_RESOLUTION_W = 0.001  # NVML power readings are whole milliwatts
-_RAPL_EDGE_S = 0.002
+_RAPL_EDGE_S = 0.002  # two edges, each up to one RAPL update period (about 1 ms) late
+# Windows at least this long give a CPU zone's rate for bounding later, shorter windows.
+_RAPL_RATE_MIN_S = 0.05
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class _GPUEdge:
     counter: float = math.nan  # raw counter value read
     tick: float = math.nan  # estimated time of the update that produced ``counter``
     resets: int = 0  # counter resets the tracker had seen by the edge
+    integral: float = math.nan  # sampler's running integral of sampled power at the edge, J
 
 
 @dataclass(slots=True)
@@ -80,6 +84,21 @@ def _power_ceiling_w(gpu: GPU) -> float | None:
             return float(gpu.power_limit_w())
         except Exception:  # noqa: BLE001
             return None
+
+
+def _zone_max_power_w(cpu: CPU, dram: bool) -> float | None:
+    """Highest power a CPU's package (or DRAM) zone reports, where the device exposes it.
+
+    RAPL zones report it as ``max_power_w`` (from ``constraint_*_max_power_uw``); simulated
+    packages have a model with their peak power.
+    """
+    zone = getattr(cpu, "dram" if dram else "package", None)
+    power = getattr(zone, "max_power_w", None)
+    if power is None:
+        power = getattr(getattr(cpu, "model", None), "dram_peak_w" if dram else "tdp_w", None)
+    if isinstance(power, int | float) and not isinstance(power, bool) and power > 0:
+        return float(power)
+    return None
 
 
 class EnergyMonitor:
@@ -142,7 +161,13 @@ class EnergyMonitor:
             self._log = WindowLog(log, columns)
         self._host = socket.gethostname()
         self._windows: dict[str, _Edge] = {}
+        self._closed = False
+        self._discarded: set[str] = set()  # keys of the windows open when the monitor closed
         self._lock = threading.Lock()
+        # Per CPU package: [package, DRAM] highest power reported, and latest rate measured
+        # over a window long enough to span many RAPL updates.
+        self._cpu_max = [[_zone_max_power_w(c, False), _zone_max_power_w(c, True)] for c in self.cpus]
+        self._cpu_rate: list[list[float | None]] = [[None, None] for _ in self.cpus]
         self._seq = itertools.count()
         self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
         self._trackers = [self.sampler.tracker(g.index) for g in self.gpus]
@@ -232,7 +257,8 @@ class EnergyMonitor:
             gpu_edges.append(_GPUEdge(
                 c + power * since,
                 spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
-                samples, t, c, tick, tracker.resets,
+                # The sampled-power integral too: the fallback should the counter reset.
+                samples, t, c, tick, tracker.resets, sampler.integral_now(gpu.index, t),
             ))
         t = now()
         cpu = [c.package_energy_j() for c in self.cpus]
@@ -258,30 +284,45 @@ class EnergyMonitor:
 
     def _begin(self, key: str, name: str) -> None:
         with self._lock:
+            if self._closed:
+                raise WindowError(f"cannot open window {name!r}: the monitor is closed")
             if key in self._windows:
                 raise WindowError(f"window {name!r} is already open; end or cancel it first")
-            self._windows[key] = _Edge(name, 0.0, [], [], [])  # reserve the name
+            # Reserve the name while the edge is taken (``t`` NaN marks it as beginning).
+            placeholder = _Edge(name, math.nan, [], [], [])
+            self._windows[key] = placeholder
         try:
             edge = self._edge(name)
         except BaseException:
             with self._lock:
-                self._windows.pop(key, None)
+                if self._windows.get(key) is placeholder:
+                    del self._windows[key]
             raise
         with self._lock:
-            self._windows[key] = edge
+            # Cancelled (or restarted) meanwhile: the window stays discarded.
+            if self._windows.get(key) is placeholder:
+                self._windows[key] = edge
+            elif self._closed and key in self._discarded:
+                raise WindowError(f"window {name!r}: the monitor was closed while it was beginning")
 
     def _end(self, key: str) -> Measurement:
         with self._lock:
-            begin = self._windows.pop(key, None)
+            begin = self._windows.get(key)
             if begin is None:
                 raise WindowError(self._not_open(key))
+            if math.isnan(begin.t):
+                raise WindowError(f"window {begin.name!r} is still beginning (its begin edge is "
+                                  f"being taken in another thread); end it once begin_window returns")
+            del self._windows[key]
         try:
             end = self._edge(begin.name)
         except BaseException:
-            # A failed read (or sync) at the end edge leaves the window open: it can be ended
-            # again, or cancelled.
-            with self._lock:
-                self._windows.setdefault(key, begin)
+            # A failed read (or sync) at the end edge leaves a named window open: it can be
+            # ended again, or cancelled. A block's window is over with its block.
+            if key == begin.name:
+                with self._lock:
+                    if not self._closed:
+                        self._windows.setdefault(key, begin)
             raise
         m = self._measure(begin, end)
         self.last[m.name] = m
@@ -315,6 +356,11 @@ class EnergyMonitor:
         return {e.name for k, e in self._windows.items() if k != e.name}
 
     def _not_open(self, name: str) -> str:
+        if self._closed:
+            if name in self._discarded:
+                return (f"window {name.split(chr(0))[0]!r} was open when the monitor was closed: "
+                        f"close() discards open windows")
+            return f"no open window named {name!r}: the monitor is closed"
         if name in self._block_names():
             return (f"window {name!r} is open as a `with monitor.window(...)` block or a measured "
                     f"call: it ends with its block (raise inside the block to discard it)")
@@ -332,12 +378,21 @@ class EnergyMonitor:
 
         If the block raises, the window is cancelled and the exception propagates.
         """
+        with self._block(name) as handle:
+            yield handle
+
+    @contextmanager
+    def _block(self, name: str, ends_on: tuple[type[BaseException], ...] = ()) -> Iterator[WindowHandle]:
+        """A block's window: cancelled if the block raises, unless with one of ``ends_on``."""
         handle = WindowHandle(name)
         # Blocks of the same name may overlap (threads, recursion): each gets its own key.
         key = f"{name}\x00{next(self._seq)}"
         self._begin(key, name)
         try:
             yield handle
+        except ends_on:
+            handle.measurement = self._end(key)
+            raise
         except BaseException:
             with self._lock:
                 self._windows.pop(key, None)
@@ -345,28 +400,86 @@ class EnergyMonitor:
         handle.measurement = self._end(key)
 
     def measure(self, name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """Decorator measuring every call of a function; see :attr:`last` for the result."""
+        """Decorator measuring every call of a function; see :attr:`last` for the result.
+
+        Coroutine functions are measured until the coroutine returns, generator functions
+        (sync or async) over their whole iteration: the window opens when iteration starts
+        and ends when the generator is exhausted or closed. An exception raised inside
+        cancels the window, as in :meth:`window`.
+        """
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
             label = name or fn.__qualname__
+            wrapper: Callable[..., Any]
 
-            @functools.wraps(fn)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                with self.window(label):
-                    return fn(*args, **kwargs)
+            if inspect.isasyncgenfunction(fn):
+                agen_fn: Callable[..., Any] = fn
 
-            return wrapper
+                async def wrapper(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                    agen = agen_fn(*args, **kwargs)
+                    with self._block(label, (GeneratorExit,)):
+                        try:
+                            value = await agen.__anext__()
+                            while True:
+                                try:
+                                    sent = yield value
+                                except GeneratorExit:
+                                    await agen.aclose()
+                                    raise
+                                except BaseException as exc:  # noqa: BLE001 - forwarded
+                                    value = await agen.athrow(exc)
+                                else:
+                                    value = await agen.asend(sent)
+                        except StopAsyncIteration:
+                            return
+
+            elif inspect.iscoroutinefunction(fn):
+                coro_fn: Callable[..., Any] = fn
+
+                async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    with self._block(label):
+                        return await coro_fn(*args, **kwargs)
+
+            elif inspect.isgeneratorfunction(fn):
+                gen_fn: Callable[..., Any] = fn
+
+                def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    with self._block(label, (GeneratorExit,)):
+                        return (yield from gen_fn(*args, **kwargs))
+
+            else:
+
+                def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    with self._block(label):
+                        return fn(*args, **kwargs)
+
+            return functools.wraps(fn)(wrapper)  # type: ignore[return-value]
 
         return decorate
 
     # -- measurement ------------------------------------------------------------------------
-    def _sampled_energy(self, gpu: GPU, b: _GPUEdge, e: _GPUEdge, elapsed: float) -> tuple[float, float]:
-        """Energy from the sampler's power readings taken inside a window, and its bound."""
+    def _sampled_energy(
+        self, k: int, gpu: GPU, b: _GPUEdge, e: _GPUEdge, elapsed: float
+    ) -> tuple[float, float]:
+        """Energy from the sampler's power readings over a window, and its bound.
+
+        The sampler's running integral at the two edges where they hold it (however long the
+        window); else the average of the readings still retained, times the elapsed time.
+        """
+        spread = self.sampler.power_spread(gpu.index)
+        uncertainty = (spread + _GPU_POWER_RESOLUTION_W) * elapsed
+        if math.isfinite(b.integral) and math.isfinite(e.integral):
+            energy = max(0.0, e.integral - b.integral)
+            # Each edge, and a change of load inside, falls up to a sampling interval (plus
+            # the sensor's period, by which a reading lags) from the readings that see it.
+            lag = self.sampler.interval_s + (gpu.power_update_period_s() or 0.0)
+            power = energy / elapsed if elapsed > 0 else 0.0
+            ceiling = max(self._ceilings[k] or 2.0 * power, power)
+            return energy, uncertainty + 2 * lag * ceiling
         readings = [s[1] for i in range(b.samples, e.samples)
                     if (s := self.sampler.sample(gpu.index, i)) is not None]
         power = sum(readings) / len(readings) if readings else self._power_now(gpu, b.t + elapsed)
-        spread = self.sampler.power_spread(gpu.index)
-        return power * elapsed, (spread + _GPU_POWER_RESOLUTION_W) * elapsed
+        return power * elapsed, uncertainty
 
     def _estimate_bound(self, k: int, power: float, elapsed: float) -> float:
         """Worst-case error of taking one power reading as a short window's average power."""
@@ -385,6 +498,20 @@ class EnergyMonitor:
         ceiling = max(self._ceilings[k] or 2.0 * power, power)
         return max(power, ceiling - power) * elapsed + _GPU_POWER_RESOLUTION_W * elapsed
 
+    def _rapl_bound(self, k: int, zone: int, energy: float, elapsed: float) -> float:
+        """Worst-case error of a RAPL zone's energy over a window (zone 0: package, 1: DRAM).
+
+        RAPL updates about every millisecond, so each edge may miss up to one update period of
+        energy, whether or not an update fell inside the window: at most the zone's highest
+        power over that period. Where the zone reports no highest power, the rate measured over
+        a recent window long enough to be resolved stands in (or this window's own rate).
+        """
+        rate = energy / elapsed if elapsed > 0 else 0.0
+        if elapsed >= _RAPL_RATE_MIN_S:
+            self._cpu_rate[k][zone] = rate
+        power = max(self._cpu_max[k][zone] or self._cpu_rate[k][zone] or 0.0, rate)
+        return _RAPL_EDGE_S * power
+
     def _measure(self, begin: _Edge, end: _Edge) -> Measurement:
         elapsed = max(0.0, end.t - begin.t)
         gpu: dict[int, DeviceEnergy] = {}
@@ -393,7 +520,7 @@ class EnergyMonitor:
             if self._counter[k] and e.resets != b.resets:
                 # The counter was reset inside the window (driver reload, GPU reset): its
                 # readings no longer compare. The sampler's power readings over the window.
-                energy, uncertainty = self._sampled_energy(g, b, e, elapsed)
+                energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
                 source, corrected = Source.SAMPLED, False
             elif self._counter[k] and e.counter == b.counter:
                 # The counter did not move: the window fell between two of its updates. The
@@ -435,19 +562,28 @@ class EnergyMonitor:
         dram: dict[int, DeviceEnergy] = {}
         for k, c in enumerate(self.cpus):
             pkg = end.cpu[k] - begin.cpu[k]
-            # RAPL updates about every millisecond: each edge may miss one update.
-            scale = _RAPL_EDGE_S / elapsed if elapsed > 0 else 0.0
-            cpu[c.index] = DeviceEnergy(pkg, Source.COUNTER, pkg * scale, False, f"{self._host}/cpu{c.index}")
+            cpu[c.index] = DeviceEnergy(pkg, Source.COUNTER, self._rapl_bound(k, 0, pkg, elapsed), False,
+                                        f"{self._host}/cpu{c.index}")
             d0, d1 = begin.dram[k], end.dram[k]
             if d0 is not None and d1 is not None:
+                bound = self._rapl_bound(k, 1, d1 - d0, elapsed)
                 dram[c.index] = DeviceEnergy(
-                    d1 - d0, Source.COUNTER, (d1 - d0) * scale, False, f"{self._host}/dram{c.index}"
+                    d1 - d0, Source.COUNTER, bound, False, f"{self._host}/dram{c.index}"
                 )
         return Measurement(begin.name, begin.t, elapsed, gpu, cpu, dram, self._host)
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the sampler and close the log (idempotent)."""
+        """Stop the sampler and close the log (idempotent).
+
+        Windows still open are discarded: without the sampler they could no longer be
+        measured reliably. Ending or cancelling one afterwards, or opening a new window,
+        raises :class:`~joules.errors.WindowError`.
+        """
+        with self._lock:
+            self._closed = True
+            self._discarded.update(self._windows)
+            self._windows.clear()
         self.sampler.stop()
         if self._log is not None:
             self._log.close()

@@ -435,6 +435,15 @@ class PowerSampler:
         with self._lock:
             return track.count, track.energy, track.last_t, track.last_p
 
+    def integral_now(self, index: int, t: float) -> float:
+        """The sampled-power integral of GPU ``index`` up to ``t`` (after its latest sample), J.
+
+        Lock-free, for window edges: a sample added at the same moment may be half seen,
+        which moves the result by at most one sample's energy.
+        """
+        track = self._tracks[index]
+        return track.energy + track.last_p * (t - track.last_t)
+
     def sample(self, index: int, i: int) -> tuple[float, float] | None:
         """The ``i``-th sample of GPU ``index`` as ``(time, power)``, if still retained."""
         track = self._tracks[index]
