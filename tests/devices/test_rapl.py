@@ -301,6 +301,8 @@ def test_max_read_interval(tmp_path: Path) -> None:
                              dram_max_energy_range_uj=65_712_999_613)
     (cpu,), _ = discover(with_dram)
     assert cpu.max_read_interval_s() == pytest.approx(65712.999613 / 1000.0)  # 65.7 s
+    assert cpu.max_power_w() == pytest.approx(350.0)  # what the monitor's RAPL bound uses
+    assert cpu.max_power_w(dram=True) is None  # the fake's DRAM has no power constraint
 
 
 def test_concurrent_readers_never_see_a_false_wrap(tmp_path: Path) -> None:

@@ -262,6 +262,10 @@ class CPU(ABC):
         """How often the counters must be read for wraps to be caught (shortest wrap time)."""
         return 60.0
 
+    def max_power_w(self, dram: bool = False) -> float | None:
+        """The most the package (or its DRAM) can draw, W, where the device says; else ``None``."""
+        return None
+
     def problems(self) -> list[Problem]:
         """What limits measurement on this package, each with its fix."""
         return []

@@ -326,6 +326,10 @@ class RaplCPU(CPU):
     def max_read_interval_s(self) -> float:
         return min(z.max_read_interval_s() for z in self.zones())
 
+    def max_power_w(self, dram: bool = False) -> float | None:
+        zone = self.dram if dram else self.package
+        return None if zone is None else zone.max_power_w
+
     def problems(self) -> list[Problem]:
         return list(self._problems)
 

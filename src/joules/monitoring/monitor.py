@@ -86,21 +86,6 @@ def _power_ceiling_w(gpu: GPU) -> float | None:
             return None
 
 
-def _zone_max_power_w(cpu: CPU, dram: bool) -> float | None:
-    """Highest power a CPU's package (or DRAM) zone reports, where the device exposes it.
-
-    RAPL zones report it as ``max_power_w`` (from ``constraint_*_max_power_uw``); simulated
-    packages have a model with their peak power.
-    """
-    zone = getattr(cpu, "dram" if dram else "package", None)
-    power = getattr(zone, "max_power_w", None)
-    if power is None:
-        power = getattr(getattr(cpu, "model", None), "dram_peak_w" if dram else "tdp_w", None)
-    if isinstance(power, int | float) and not isinstance(power, bool) and power > 0:
-        return float(power)
-    return None
-
-
 class EnergyMonitor:
     """Measures time and energy of named windows of code.
 
@@ -166,7 +151,7 @@ class EnergyMonitor:
         self._lock = threading.Lock()
         # Per CPU package: [package, DRAM] highest power reported, and latest rate measured
         # over a window long enough to span many RAPL updates.
-        self._cpu_max = [[_zone_max_power_w(c, False), _zone_max_power_w(c, True)] for c in self.cpus]
+        self._cpu_max = [[c.max_power_w(), c.max_power_w(dram=True)] for c in self.cpus]
         self._cpu_rate: list[list[float | None]] = [[None, None] for _ in self.cpus]
         self._seq = itertools.count()
         self.sampler = PowerSampler(self.gpus, self.cpus, self.clock, sample_interval_s).start()
@@ -473,17 +458,16 @@ class EnergyMonitor:
             # Each edge, and a change of load inside, falls up to a sampling interval (plus
             # the sensor's period, by which a reading lags) from the readings that see it.
             lag = self.sampler.interval_s + (gpu.power_update_period_s() or 0.0)
-            power = energy / elapsed if elapsed > 0 else 0.0
-            ceiling = max(self._ceilings[k] or 2.0 * power, power)
-            return energy, uncertainty + 2 * lag * ceiling
+            return energy, uncertainty + 2 * lag * self._ceiling(k, energy, elapsed)
         readings = [s[1] for i in range(b.samples, e.samples)
                     if (s := self.sampler.sample(gpu.index, i)) is not None]
         power = sum(readings) / len(readings) if readings else self._power_now(gpu, b.t + elapsed)
         return power * elapsed, uncertainty
 
-    def _estimate_bound(self, k: int, power: float, elapsed: float) -> float:
-        """Worst-case error of taking one power reading as a short window's average power."""
-        return self._window_bound(k, power * elapsed, elapsed)
+    def _ceiling(self, k: int, energy: float, elapsed: float) -> float:
+        """The most GPU ``k`` can have drawn on average over a window of ``energy``, W."""
+        power = energy / elapsed if elapsed > 0 else 0.0
+        return max(self._ceilings[k] or 2.0 * power, power)
 
     def _window_bound(self, k: int, energy: float, elapsed: float) -> float:
         """Worst-case error of ``energy`` for a window no reading resolves on its own.
@@ -494,9 +478,8 @@ class EnergyMonitor:
         its highest power limit meanwhile, and the error is at most the distance from
         ``energy`` to the farther end of that range.
         """
-        power = energy / elapsed if elapsed > 0 else 0.0
-        ceiling = max(self._ceilings[k] or 2.0 * power, power)
-        return max(power, ceiling - power) * elapsed + _GPU_POWER_RESOLUTION_W * elapsed
+        ceiling = self._ceiling(k, energy, elapsed) * elapsed
+        return max(energy, ceiling - energy) + _GPU_POWER_RESOLUTION_W * elapsed
 
     def _rapl_bound(self, k: int, zone: int, energy: float, elapsed: float) -> float:
         """Worst-case error of a RAPL zone's energy over a window (zone 0: package, 1: DRAM).
@@ -525,10 +508,9 @@ class EnergyMonitor:
             elif self._counter[k] and e.counter == b.counter:
                 # The counter did not move: the window fell between two of its updates. The
                 # power reading now (the latest sensor period) times the elapsed time.
-                power = self._power_now(g, end.t)
-                energy = power * elapsed
+                energy = self._power_now(g, end.t) * elapsed
                 source, corrected = Source.ESTIMATE, True
-                uncertainty = self._estimate_bound(k, power, elapsed)
+                uncertainty = self._window_bound(k, energy, elapsed)
             elif self._counter[k]:
                 tracker = self._trackers[k]
                 assert tracker is not None
@@ -546,8 +528,7 @@ class EnergyMonitor:
                 else:
                     # Too short for the samples to resolve: the power reading now (the sensor
                     # period closest to the window) times the elapsed time.
-                    power = self._power_now(g, end.t)
-                    energy = power * elapsed
+                    energy = self._power_now(g, end.t) * elapsed
                     source, corrected = Source.ESTIMATE, True
                 interval = self.sampler.interval_s
                 spread = self.sampler.power_spread(g.index)
@@ -556,7 +537,7 @@ class EnergyMonitor:
                 # revises the power assumed at its begin edge).
                 uncertainty = spread * 2 * interval + _GPU_POWER_RESOLUTION_W * elapsed
                 if source is Source.ESTIMATE:
-                    uncertainty = max(uncertainty, self._estimate_bound(k, power, elapsed))
+                    uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
             gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
         cpu: dict[int, DeviceEnergy] = {}
         dram: dict[int, DeviceEnergy] = {}

@@ -143,3 +143,6 @@ class SimCPU(CPU):
     def max_read_interval_s(self) -> float:
         peak = self.model.tdp_w + (self.model.dram_peak_w or 0.0)
         return self.model.wrap_j / peak
+
+    def max_power_w(self, dram: bool = False) -> float | None:
+        return self.model.dram_peak_w if dram else self.model.tdp_w
