@@ -588,7 +588,7 @@ def test_recovery_leaves_a_gpu_that_a_running_guard_holds(sim: Simulator, jdir: 
     lines = recover(sim.gpus, jdir)
     assert len(lines) == 2
     assert "power limit left at 200 W" in lines[0] and "guard in this process" in lines[0]
-    assert "SM clock left locked" in lines[1] and "125 W" not in lines[1]
+    assert "SM clock left locked" in lines[1] and "150 W -> 275 W" in lines[1]
     assert (g0.power_limit_w(), g1.power_limit_w(), g1.sm_clock_locked()) == (200.0, 275.0, (1005.0, 1005.0))
     assert journals(jdir) == []
     guard.restore()

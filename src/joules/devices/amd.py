@@ -456,6 +456,10 @@ def _match_uuid(token: str, ids: Sequence[str | None], candidates: Sequence[int]
     return found[0], ""
 
 
+_VISIBLE_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+"""The variables that select AMD GPUs: ROCr's among all, then HIP's (or CUDA's) among those."""
+
+
 def visible_devices(
     count: int,
     uuids: Sequence[str],
@@ -490,8 +494,8 @@ def visible_devices(
         ids.append(have)
     order = list(range(count))
     problems: list[Problem] = []
-    hip_var = "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in env else "CUDA_VISIBLE_DEVICES"
-    for var in ("ROCR_VISIBLE_DEVICES", hip_var):
+    hip_var = _VISIBLE_VARS[1] if _VISIBLE_VARS[1] in env else _VISIBLE_VARS[2]
+    for var in (_VISIBLE_VARS[0], hip_var):
         value = env.get(var)
         if value is None:
             continue
@@ -536,7 +540,7 @@ def _enumeration_hip_uuid(smi: ModuleType, handle: Any) -> str | None:
         value = info.get("hip_uuid") if isinstance(info, Mapping) else None
     except Exception:  # noqa: BLE001 - an optional extra; the amdsmi UUID serves otherwise
         return None
-    return str(value) if isinstance(value, str) and unique_id(value) is not None else None
+    return value if isinstance(value, str) else None  # parsed (and checked) by visible_devices
 
 
 def discover_amd(
@@ -601,8 +605,7 @@ def discover_amd(
         except Exception:  # noqa: BLE001 - a GPU without a UUID can still be used by index
             uuids.append(f"AMD-GPU-{i}")
     # The runtimes' ids are only needed to resolve a selection by unique id.
-    selecting = any(env.get(v) for v in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
-                                         "CUDA_VISIBLE_DEVICES"))
+    selecting = any(env.get(v) for v in _VISIBLE_VARS)
     hip_uuids = [_enumeration_hip_uuid(smi, h) for h in handles] if selecting else None
     physical, problems = visible_devices(len(handles), uuids, env, hip_uuids)
     gpus: list[AMDGPU] = []

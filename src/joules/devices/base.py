@@ -38,6 +38,13 @@ def renew_locks_after_fork(owner: _T, renew: Callable[[_T], None]) -> _T:
     return owner
 
 
+def fork_safe_lock(owner: object, attr: str = "_lock",
+                   factory: Callable[[], Any] = threading.Lock) -> Any:
+    """A new lock for ``owner.<attr>``; a forked child's copy of ``owner`` gets a fresh one."""
+    renew_locks_after_fork(owner, lambda o: setattr(o, attr, factory()))
+    return factory()
+
+
 def _renew_locks_in_child() -> None:
     for owner, renew in list(_RENEW_AFTER_FORK.items()):
         try:
@@ -224,11 +231,7 @@ class WrappingCounter:
         self.wrap = wrap
         self._last: int | None = None
         self._base = 0
-        self._lock = threading.Lock()
-        renew_locks_after_fork(self, WrappingCounter._renew_lock)
-
-    def _renew_lock(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
 
     def update(self, raw: int) -> int:
         """Feed a raw reading; return the extended (monotonic) value."""

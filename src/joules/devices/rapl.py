@@ -48,11 +48,10 @@ from __future__ import annotations
 import errno
 import os
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from joules.devices.base import CPU, Problem, WrappingCounter, renew_locks_after_fork
+from joules.devices.base import CPU, Problem, WrappingCounter, fork_safe_lock
 from joules.errors import DevicePermissionError, NotSupportedError
 
 #: ``opener(path, flags) -> fd``; :func:`os.open` unless a test injects another.
@@ -137,8 +136,7 @@ class RaplZone:
         self.error: str | None = None
         self.permission_denied = False
         self._counter = WrappingCounter(max_range)
-        self._lock = threading.Lock()
-        renew_locks_after_fork(self, RaplZone._renew_lock)
+        self._lock = fork_safe_lock(self)
         energy_path = str(self.path / "energy_uj")
         try:
             self._fd = opener(energy_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -152,9 +150,6 @@ class RaplZone:
             self._close_fd()
             reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
             self.error = f"cannot read {energy_path}: {reason}"
-
-    def _renew_lock(self) -> None:
-        self._lock = threading.Lock()  # a forked child: the parent's may have been held
 
     def _max_power_w(self) -> float | None:
         best = 0

@@ -89,6 +89,11 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+def _journal_host() -> str:
+    """The host name as journal file names carry it."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
+
+
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks since boot) from ``/proc/<pid>/stat``, or ``None``."""
     try:
@@ -159,10 +164,8 @@ def _journal_age(data: dict[str, Any], path: Path) -> tuple[float, int]:
     When the journal was created (``created``; older journals only have ``written``, the
     time of their last write, else the file's time), then when its process started.
     """
-    created = data.get("created")
-    if isinstance(created, int | float) and not isinstance(created, bool):
-        when = float(created)
-    else:
+    when = _number(data.get("created"))
+    if when is None:
         try:
             when = datetime.strptime(str(data.get("written")), "%Y-%m-%dT%H:%M:%S%z").timestamp()
         except ValueError:
@@ -283,7 +286,10 @@ def _live_holders(directory: Path, uuid: str, guard: RestoreGuard | None = None)
     except OSError:
         return found
     host, me = _hostname(), os.getpid()
+    mine_prefix = f"{_journal_host()}-{me}-"  # this process's journals: registered above
     for path in paths:
+        if path.name.startswith(mine_prefix):
+            continue
         try:
             data = json.loads(path.read_text())
             j_host, pid, start, entries = _parse_journal(data)
@@ -419,6 +425,7 @@ class RestoreGuard:
         self._owner_pid: int | None = None
         self._journal: Path | None = None
         self._created: float | None = None
+        self._start: int | None = None  # this process's start time, for its journal
         self._journal_warned = False
         self._atexit_registered = False
         self._prev_handlers: dict[int, _Handler] = {}
@@ -659,14 +666,13 @@ class RestoreGuard:
         not the file can be written.
         """
         if self._entries and self._journal is None:
-            host = re.sub(r"[^A-Za-z0-9._-]+", "_", _hostname()) or "host"
-            self._journal = self.journal_dir / f"{host}-{os.getpid()}-{self._id}.json"
+            self._journal = self.journal_dir / f"{_journal_host()}-{os.getpid()}-{self._id}.json"
             self._created = time.time()
+            self._start = process_start_time(os.getpid())
         entries = [e.journal() for e in self._entries.values()]
-        start = process_start_time(os.getpid())
         with _LOCK:
             if entries:
-                _REGISTRY[self] = ((self._created or 0.0, start or 0), entries)
+                _REGISTRY[self] = ((self._created or 0.0, self._start or 0), entries)
             else:
                 _REGISTRY.pop(self, None)
         try:
@@ -680,7 +686,7 @@ class RestoreGuard:
                 "format": JOURNAL_FORMAT,
                 "host": _hostname(),
                 "pid": os.getpid(),
-                "process_start_time": start,
+                "process_start_time": self._start,
                 "created": self._created,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "gpus": entries,

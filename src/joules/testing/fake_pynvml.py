@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from joules.devices.base import renew_locks_after_fork
+from joules.devices.base import fork_safe_lock
 from joules.devices.sim.catalog import GPUModel
 from joules.devices.sim.gpu import SimGPU
 from joules.errors import DevicePermissionError, NotSupportedError
@@ -484,8 +484,7 @@ class FakeNVMLState:
         major = re.match(r"\d+", driver_version)
         self.power_fields = major is None or int(major.group()) >= _POWER_FIELDS_DRIVER
         self.calls: Counter[str] = Counter()
-        self.lock = threading.RLock()
-        renew_locks_after_fork(self, FakeNVMLState._renew_lock)
+        self.lock = fork_safe_lock(self, "lock", threading.RLock)
         n = len(self.gpus)
         if isinstance(persistence, bool):
             self.persistence = dict.fromkeys(range(n), persistence)
@@ -518,9 +517,6 @@ class FakeNVMLState:
             ]
         self._by_uuid = {h.uuid: h for h in self.handles}
         self._by_uuid.update({h.uuid: h for hs in self.mig_handles.values() for h in hs})
-
-    def _renew_lock(self) -> None:
-        self.lock = threading.RLock()  # a forked child: the parent's may have been held
 
     # -- checks -----------------------------------------------------------------------------
     def handle(self, h: object, *, physical: bool = False) -> _Handle:

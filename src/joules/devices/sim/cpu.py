@@ -6,7 +6,7 @@ import math
 import threading
 
 from joules.clock import Clock
-from joules.devices.base import CPU, WrappingCounter, renew_locks_after_fork
+from joules.devices.base import CPU, WrappingCounter, fork_safe_lock
 from joules.devices.sim.catalog import CPUModel
 from joules.devices.sim.workload import Constant, Workload
 from joules.errors import NotSupportedError
@@ -60,11 +60,6 @@ class _Zone:
         return int((self.offset_j + e) / self.unit_j) % self.wrap_units
 
 
-
-def _renew_lock(device: SimCPU) -> None:
-    """A forked child's copy gets a free lock (another thread may have held it at fork())."""
-    device._lock = threading.RLock()
-
 class SimCPU(CPU):
     """A simulated CPU package.
 
@@ -88,8 +83,7 @@ class SimCPU(CPU):
         self.index = index
         self.name = model.name
         self.vendor = model.vendor
-        self._lock = threading.RLock()
-        renew_locks_after_fork(self, _renew_lock)
+        self._lock = fork_safe_lock(self, factory=threading.RLock)
         offset = 0.8 * model.wrap_j  # start near the wrap point, as long-running machines do
         self._pkg = _Zone(clock, model.idle_w, model.tdp_w, model.energy_unit_j, model.wrap_j,
                           model.counter_period_s, offset)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from joules.clock import Clock
-from joules.devices.base import GPU, Problem, renew_locks_after_fork
+from joules.devices.base import GPU, Problem, fork_safe_lock
 from joules.devices.sim.catalog import GPUModel
 from joules.devices.sim.workload import Constant, Workload
 from joules.errors import DevicePermissionError, NotSupportedError
@@ -44,11 +44,6 @@ class _Epoch:
     ck_t: float = -math.inf
     ck_e: float = 0.0
 
-
-
-def _renew_lock(device: SimGPU) -> None:
-    """A forked child's copy gets a free lock (another thread may have held it at fork())."""
-    device._lock = threading.RLock()
 
 class SimGPU(GPU):
     """A simulated GPU that draws power from a workload model.
@@ -98,8 +93,7 @@ class SimGPU(GPU):
         self.uuid = f"GPU-5e1a7ed0-{index:04d}-4000-8000-{zlib.crc32(model.name.encode()):012d}"
         self.allow_control = allow_control
         self.on_change: Callable[[SimGPU], None] | None = None
-        self._lock = threading.RLock()
-        renew_locks_after_fork(self, _renew_lock)
+        self._lock = fork_safe_lock(self, factory=threading.RLock)
         self._t_created = clock.now()
         self._phase = ((index * 0.37) % 1.0) * model.counter_period_s
         self._offset_j = 1000.0 * (index + 1) if counter_offset_j is None else counter_offset_j
