@@ -42,7 +42,9 @@ def fake_solver(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
         calls.append((dag, profile, blocking_power_w, unit_time_s))
         return two_point_frontier(dag, profile, blocking_power_w, unit_time_s)
 
-    fake = types.SimpleNamespace(solve=solve, METHODS=("auto", "fast", "exact"))
+    from joules.optimizers.pipeline.solver import FINE_UNIT_S, METHODS
+
+    fake = types.SimpleNamespace(solve=solve, METHODS=METHODS, FINE_UNIT_S=FINE_UNIT_S)
     monkeypatch.setitem(sys.modules, SOLVER, fake)
     return calls
 
@@ -294,7 +296,7 @@ def test_show_refuses_an_infinite_time(value: str, planned: tuple[Path, Frontier
     out, _ = planned
     before = sorted(p.name for p in out.iterdir())
     assert main(["pipeline", "show", str(out), "--time", value]) == 2
-    assert "bad --time inf (expected a finite positive number of seconds)" in error_line(capsys)
+    assert "--time must be a positive number of seconds, got inf" in error_line(capsys)
     assert sorted(p.name for p in out.iterdir()) == before  # no picture drawn
 
 

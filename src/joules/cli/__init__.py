@@ -5,6 +5,7 @@ Commands: ``info``, ``measure``, ``power``, ``demo``, ``simulate``, ``restore``,
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -35,6 +36,12 @@ def _root(
 ) -> None:
     """Measure and optimize the energy of deep-learning work."""
     use_sim(sim)
+
+
+def check_duration(name: str, value: float | None) -> None:
+    """A finite positive number of seconds, or ``None``."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise JoulesError(f"{name} must be a positive number of seconds, got {value:g}")
 
 
 def use_sim(sim: str | None) -> None:
@@ -89,6 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (JoulesError, ValueError, OSError) as e:
         print(f"joules: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # e.g. 126/127 for a command that cannot start
     return result if isinstance(result, int) else 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import signal
@@ -65,7 +64,7 @@ def check_timeline_path(path: str | None) -> None:
     p = Path(path)
     if p.suffix not in (".csv", ".jsonl") or p.stem == "":
         raise JoulesError(f"--timeline needs a .csv or .jsonl file name, got {path!r}")
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
     if not parent.is_dir():
         raise JoulesError(f"--timeline {path!r}: directory {str(parent)!r} does not exist")
     if p.is_dir() or not os.access(p if p.exists() else parent, os.W_OK):
@@ -87,12 +86,6 @@ def warn_if_nothing_measured(monitor: EnergyMonitor) -> None:
     if not monitor.gpus and not monitor.cpus:
         print("joules: warning: no GPU or CPU energy readings found, so nothing is measured "
               "(see `joules info`; --sim SPEC simulates devices)", file=sys.stderr)
-
-
-def check_duration(name: str, value: float | None) -> None:
-    """A finite positive number of seconds, or ``None``."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise JoulesError(f"{name} must be a positive number of seconds, got {value:g}")
 
 
 def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
@@ -161,10 +154,7 @@ def register(app: typer.Typer) -> None:
         monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
         warn_if_nothing_measured(monitor)
         try:
-            code, m = run_measured(command, monitor)
-        except CommandNotRunError as e:
-            print(f"joules: error: {e}", file=sys.stderr)
-            raise typer.Exit(e.exit_code) from None
+            code, m = run_measured(command, monitor)  # CommandNotRunError: main() exits 126/127
         finally:
             monitor.close()
         if as_json:

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from joules.cli import check_duration
 from joules.errors import JoulesError
 
 if TYPE_CHECKING:
@@ -78,12 +79,13 @@ def plan(
     from joules.optimizers.pipeline.picture import save_picture
     from joules.optimizers.pipeline.profile import PipelineProfile
     from joules.optimizers.pipeline.schedule import build_dag
+    from joules.optimizers.pipeline.solver import FINE_UNIT_S, METHODS, solve
 
     name = _schedule(schedule)
     _check_out_directory(out)
-    if not (math.isfinite(unit_time) and unit_time >= 1e-6):
+    if not (math.isfinite(unit_time) and unit_time >= FINE_UNIT_S):
         raise JoulesError(f"bad --unit-time {unit_time:g} "
-                          f"(expected a finite number of seconds, at least 1e-06)")
+                          f"(expected a finite number of seconds, at least {FINE_UNIT_S:g})")
     if not (math.isfinite(p2p_power) and p2p_power >= 0):
         raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected a finite number of watts, at least 0)")
     parts = [PipelineProfile.from_csv(p) for p in profile]
@@ -93,8 +95,6 @@ def plan(
         print(f"joules: warning: {prof.name} has {prof.stages} stages; planning for the first {stages}",
               file=sys.stderr)
     dag = build_dag(name, stages, microbatches)
-    from joules.optimizers.pipeline.solver import METHODS, solve
-
     if method not in METHODS:
         raise JoulesError(f"bad --method {method!r} (expected {', '.join(METHODS)})")
     frontier = solve(dag, prof, p2p_power, unit_time, method=method)
@@ -157,8 +157,7 @@ def show(
     from joules.optimizers.pipeline.picture import FORMATS, save_picture
     from joules.optimizers.pipeline.profile import PipelineProfile, PipelineProfileError
 
-    if time is not None and not (math.isfinite(time) and time > 0):
-        raise JoulesError(f"bad --time {time:g} (expected a finite positive number of seconds)")
+    check_duration("--time", time)
     if out is not None and out.suffix.lower() not in FORMATS:
         raise PlanError(f"bad --out {str(out)!r}: use a .svg or .png file name")
     frontier = Frontier.load(path)

@@ -12,9 +12,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from joules.cli import SIM_HELP, use_sim
+from joules.cli import SIM_HELP, check_duration, use_sim
 from joules.cli.measure import (
-    check_duration,
     check_timeline_path,
     export_timeline,
     measurement_table,

@@ -386,13 +386,12 @@ class FrequencyController:
         another controller sharing the guard, or the guard's own restore. Only the guard's
         record is read (no device call), so a repeated clock still costs no driver call.
         """
-        if self.guard is None:  # dry run: nothing to reset
+        if self.guard is None or self.guard.holds_sm_clock(self.gpu):  # dry run: nothing to reset
             return True
         if self.asynchronous:
             with self._cond:
-                if self._wanted is not None or self._busy:
-                    return True  # the clock last posted (this one) is being applied
-        return self.guard.holds_sm_clock(self.gpu)
+                return self._wanted is not None or self._busy  # the clock posted is on its way
+        return False
 
     def frequency_of(self, computation: str, microbatch: int) -> float:
         """The supported clock (MHz) the plan runs ``computation`` of ``microbatch`` at.

@@ -289,7 +289,7 @@ class PowerLimitOptimizer:
             self.points[point.limit_w] = point
         self.reused_limits_w = [p.limit_w for p in saved]
         self._next_limit()
-        self.reused_profile = bool(saved) and not self._measured and self.state is State.DONE
+        self.reused_profile = bool(saved) and self.state is State.DONE
         if saved:
             if self.reused_profile:
                 log.info("the saved profile for %r answers %s over these limits: no profiling",
@@ -509,8 +509,6 @@ class PowerLimitOptimizer:
     def _next_limit(self) -> None:
         assert self.search is not None
         limit = self.search.next_limit()
-        if limit is None and self.limits_w[0] not in self.points:
-            limit = self.limits_w[0]  # every selector compares against the highest limit
         if limit is None:
             self._finish()
             return
