@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from joules.errors import JoulesError
+from joules.optimizers.csvfile import csv_rows
 from joules.optimizers.pipeline.schedule import KINDS
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
@@ -163,24 +164,17 @@ class PipelineProfile:
         if not path.is_file():
             raise PipelineProfileError(f"pipeline profile not found: {path}")
         rows: list[tuple[int, str, int, float, float]] = []
-        # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            try:
-                reader = csv.DictReader(f)
-                header = [h.strip() for h in (reader.fieldnames or [])]
-                missing = [c for c in COLUMNS if c not in header]
-                if missing:
-                    raise PipelineProfileError(
-                        f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
-                    )
-                for raw in reader:
-                    row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
-                    # The file's own line number (blank lines are skipped, yet counted).
-                    rows.append(_parse_row(path, reader.line_num, row))
-            except UnicodeDecodeError as e:
+        with csv_rows(path, PipelineProfileError) as reader:
+            header = [h.strip() for h in (reader.fieldnames or [])]
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
                 raise PipelineProfileError(
-                    f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})"
-                ) from None
+                    f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
+                )
+            for raw in reader:
+                row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
+                # The file's own line number (blank lines are skipped, yet counted).
+                rows.append(_parse_row(path, reader.line_num, row))
         return cls.from_rows(rows, name=path.name)
 
     def to_csv(self, path: str | Path) -> None:

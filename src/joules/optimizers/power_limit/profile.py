@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import csv
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from joules.errors import JoulesError
+from joules.optimizers.csvfile import csv_rows
 
 
 class ProfileError(JoulesError, ValueError):
@@ -80,19 +79,8 @@ def _require(path: str | Path) -> Path:
     return path
 
 
-@contextmanager
-def _reader(path: Path) -> Iterator[csv.DictReader[str]]:
-    """A CSV reader of ``path``; a file that is not UTF-8 is a :class:`ProfileError` naming it."""
-    # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        try:
-            yield csv.DictReader(f)
-        except UnicodeDecodeError as e:
-            raise ProfileError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
-
-
 def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
-    with _reader(path) as reader:
+    with csv_rows(path, ProfileError) as reader:
         missing = [c for c in needed if c not in (reader.fieldnames or [])]
         if missing:
             raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
@@ -192,7 +180,7 @@ def profiles_in(paths: Sequence[str | Path]) -> list[Profile]:
     out: list[Profile] = []
     for p in paths:
         path = _require(p)
-        with _reader(path) as reader:
+        with csv_rows(path, ProfileError) as reader:
             header = reader.fieldnames or []
         out.extend(trace_profiles(path) if "power_limit" in header else [load_profile_csv(path)])
     return out
