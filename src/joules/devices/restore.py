@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
@@ -314,6 +314,77 @@ def _handed_over(heir: _Holder) -> str:
             else f"at {heir.applied_power_limit_w:g} W, the limit it set")
     return (f"power limit left {kept} for {heir.who}, which changed it too and still runs "
             f"(it puts back {heir.original_power_limit_w:g} W)")
+
+
+@dataclass
+class _PutBack:
+    """What :func:`_put_back` did to one GPU.
+
+    Attributes:
+        done: What was put back or left to another guard, a phrase each.
+        handed_over: Of ``done``, what was left to another running guard.
+        failed: What could not be done, a phrase each.
+        clock_done: The SM clock needs nothing more (reset, or left to another guard).
+        power_done: The power limit needs nothing more.
+    """
+
+    done: list[str] = field(default_factory=list)
+    handed_over: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    clock_done: bool = False
+    power_done: bool = False
+
+
+def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
+              original_power_limit_w: float | None) -> _PutBack:
+    """Undo one guard's changes of ``gpu``; what another running guard still holds is left to it.
+
+    A clock another holder locked too stays locked; the power limit goes to the one the
+    holder that changed it last set (:func:`_power_heir`), else back to the original. Used
+    both by a guard restoring and by the recovery of a dead process's journal.
+    """
+    out = _PutBack()
+    if sm_clock_locked:
+        other = next((h for h in holders if h.sm_clock_locked), None)
+        if other is not None:
+            message = f"SM clock left locked for {other.who}, which locked it too and still runs"
+            out.done.append(message)
+            out.handed_over.append(message)
+            out.clock_done = True
+        else:
+            try:
+                gpu.reset_sm_clock()
+                out.done.append("SM clock unlocked")
+                out.clock_done = True
+            except Exception as e:  # noqa: BLE001 - reported; the other changes go on
+                out.failed.append(f"could not reset the SM clock: {e}")
+    if original_power_limit_w is None:
+        return out
+    heir = _power_heir(holders)
+    if heir is not None:
+        try:
+            if heir.applied_power_limit_w is not None:
+                gpu.set_power_limit_w(heir.applied_power_limit_w)
+        except Exception as e:  # noqa: BLE001 - reported
+            out.failed.append(f"could not set the power limit {heir.applied_power_limit_w:g} W: {e}")
+        else:
+            out.done.append(_handed_over(heir))
+            out.handed_over.append(_handed_over(heir))
+            out.power_done = True
+        return out
+    try:
+        before: float | None = gpu.power_limit_w()
+    except Exception:  # noqa: BLE001 - only for the message
+        before = None
+    try:
+        gpu.set_power_limit_w(original_power_limit_w)
+    except Exception as e:  # noqa: BLE001 - reported
+        out.failed.append(f"could not restore the power limit {original_power_limit_w:g} W: {e}")
+    else:
+        out.done.append(f"power limit {before:g} W -> {original_power_limit_w:g} W" if before is not None
+                        else f"power limit set to {original_power_limit_w:g} W")
+        out.power_done = True
+    return out
 
 
 @dataclass(frozen=True)
@@ -602,34 +673,15 @@ class RestoreGuard:
     def _restore_entry(self, entry: _Entry) -> list[str]:
         """Put one GPU back, or leave it to a running guard that has it changed too; the errors."""
         gpu = entry.gpu
-        label = f"GPU {gpu.index} ({gpu.uuid})"
-        errors: list[str] = []
-        holders = _live_holders(self.journal_dir, gpu.uuid, self)
-        if entry.sm_clock_locked:
-            other = next((h for h in holders if h.sm_clock_locked), None)
-            if other is not None:
-                logger.info("joules: %s: SM clock left locked for %s, which locked it too and "
-                            "still runs", label, other.who)
-                entry.sm_clock_locked = False
-            else:
-                try:
-                    gpu.reset_sm_clock()
-                    entry.sm_clock_locked = False
-                except Exception as e:  # noqa: BLE001 - go on with the other GPUs
-                    errors.append(f"{label}: could not reset the SM clock: {e}")
-        if entry.original_power_limit_w is not None:
-            heir = _power_heir(holders)
-            target = entry.original_power_limit_w if heir is None else heir.applied_power_limit_w
-            try:
-                if target is not None:
-                    gpu.set_power_limit_w(target)
-            except Exception as e:  # noqa: BLE001 - go on with the other GPUs
-                errors.append(f"{label}: could not restore the power limit {target:g} W: {e}")
-            else:
-                if heir is not None:
-                    logger.info("joules: %s: %s", label, _handed_over(heir))
-                entry.original_power_limit_w = entry.applied_power_limit_w = entry.applied_at = None
-        return errors
+        done = _put_back(gpu, _live_holders(self.journal_dir, gpu.uuid, self), entry.sm_clock_locked,
+                         entry.original_power_limit_w)
+        for message in done.handed_over:
+            logger.info("joules: GPU %d (%s): %s", gpu.index, gpu.uuid, message)
+        if done.clock_done:
+            entry.sm_clock_locked = False
+        if done.power_done:
+            entry.original_power_limit_w = entry.applied_power_limit_w = entry.applied_at = None
+        return [f"GPU {gpu.index} ({gpu.uuid}): {e}" for e in done.failed]
 
     def _original_power_limit_w(self, gpu: GPU) -> float:
         """The limit to put back on ``gpu``: its current one, or a running guard's original.
@@ -833,43 +885,15 @@ def _recover_journal(path: Path, by_uuid: dict[str, GPU], host: str) -> list[Rec
                                       f"visible here; kept in {path.name}"))
             continue
         label = f"GPU {gpu.index} ({gpu.name}, {gpu.uuid})"
-        done: list[str] = []
-        failed: list[str] = []
         left = dict(entry)
-        # A running guard that has the GPU changed too keeps it, and puts it back itself.
-        holders = _live_holders(path.parent, gpu.uuid)
-        if entry.get("sm_clock_locked"):
-            other = next((h for h in holders if h.sm_clock_locked), None)
-            try:
-                if other is None:
-                    gpu.reset_sm_clock()
-                done.append("SM clock unlocked" if other is None else
-                            f"SM clock left locked for {other.who}, which locked it too and still runs")
-                left["sm_clock_locked"] = False
-            except Exception as e:  # noqa: BLE001 - report and keep the entry
-                failed.append(f"could not reset the SM clock: {e}")
-        original = entry.get("power_limit_w")
-        heir = _power_heir(holders)
-        if original is not None and heir is not None:
-            try:
-                if heir.applied_power_limit_w is not None:
-                    gpu.set_power_limit_w(heir.applied_power_limit_w)
-                done.append(_handed_over(heir))
-                left["power_limit_w"] = None
-            except Exception as e:  # noqa: BLE001 - report and keep the entry
-                failed.append(f"could not set the power limit {heir.applied_power_limit_w:g} W: {e}")
-        elif original is not None:
-            try:
-                before: float | None = gpu.power_limit_w()
-            except Exception:  # noqa: BLE001 - only for the message
-                before = None
-            try:
-                gpu.set_power_limit_w(float(original))
-                done.append(f"power limit {before:g} W -> {original:g} W" if before is not None
-                            else f"power limit set to {original:g} W")
-                left["power_limit_w"] = None
-            except Exception as e:  # noqa: BLE001 - report and keep the entry
-                failed.append(f"could not restore the power limit {original:g} W: {e}")
+        original = _number(entry.get("power_limit_w"))
+        result = _put_back(gpu, _live_holders(path.parent, gpu.uuid), bool(entry.get("sm_clock_locked")),
+                           original)
+        done, failed = result.done, result.failed
+        if result.clock_done:
+            left["sm_clock_locked"] = False
+        if result.power_done:
+            left["power_limit_w"] = None
         if done:
             lines.append(line("restored", f"{label}: {', '.join(done)} (left by process {pid}, now gone)"))
         if failed:
