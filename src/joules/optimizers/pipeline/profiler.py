@@ -60,6 +60,14 @@ class ProfilingError(JoulesError, RuntimeError):
     """The profiler was driven wrongly (e.g. a computation ended that had not begun), or has no data."""
 
 
+def _supported_clocks(gpu: GPU) -> list[float]:
+    """``gpu``'s supported SM clocks, MHz; ``ValueError`` when it reports none."""
+    clocks = list(gpu.supported_sm_clocks_mhz())
+    if not clocks:
+        raise ValueError(f"GPU {gpu.index} ({gpu.name}) reports no supported SM clocks")
+    return clocks
+
+
 def default_frequencies(gpu: GPU, lowest_mhz: float | None = None, step: int = 1) -> list[float]:
     """Supported SM clocks of ``gpu`` from ``lowest_mhz`` (default: 60% of the highest) up, ascending.
 
@@ -71,9 +79,7 @@ def default_frequencies(gpu: GPU, lowest_mhz: float | None = None, step: int = 1
     Raises:
         ValueError: The GPU reports no supported clocks, or none is at least ``lowest_mhz``.
     """
-    clocks = sorted(gpu.supported_sm_clocks_mhz(), reverse=True)
-    if not clocks:
-        raise ValueError(f"GPU {gpu.index} ({gpu.name}) reports no supported SM clocks")
+    clocks = sorted(_supported_clocks(gpu), reverse=True)
     lo = 0.6 * clocks[0] if lowest_mhz is None else lowest_mhz
     chosen = sorted(f for f in clocks[:: max(1, step)] if f >= lo)
     if not chosen:
@@ -166,14 +172,12 @@ class StageProfiler:
         self.monitor = monitor
         self.stage = int(stage)
         self.gpu = self._pick_gpu(monitor, gpu)
-        supported = self.gpu.supported_sm_clocks_mhz()
         if frequencies is None:
             clocks = default_frequencies(self.gpu, lowest_mhz, step)
         else:
-            if not supported:
-                raise ValueError(f"GPU {self.gpu.index} ({self.gpu.name}) reports no supported SM clocks")
             if not frequencies:
                 raise ValueError("frequencies is empty")
+            supported = _supported_clocks(self.gpu)
             clocks = sorted({snap_frequency(float(f), supported) for f in frequencies})
         self.frequencies: tuple[float, ...] = tuple(sorted(clocks, reverse=True))  # highest first
         self.warmup, self.samples = int(warmup), int(samples)
