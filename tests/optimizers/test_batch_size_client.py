@@ -492,6 +492,20 @@ def test_token_header_from_argument_or_environment(monkeypatch):
     monkeypatch.setenv("JOULES_SERVER_TOKEN", "s3cret")
     assert make_client(monitor, server)[0].get_batch_size() == 64
     assert all(r.headers["authorization"] == "Bearer s3cret" for r in server.requests[1:])
+    with pytest.raises(ValueError, match=r"\$JOULES_SERVER_TOKEN\) has characters other than printable"):
+        make_client(monitor, server, token="sécret")
+
+
+def test_retry_waits_double_up_to_30_s_however_many_retries():
+    server = FakeServer()
+    server.failures = [503] * 12
+    _, monitor = make_sim()
+    bso, sleeps = make_client(monitor, server, backoff_s=0.5, retries=12)
+    assert bso.get_batch_size() == 64
+    assert len(sleeps) == 12
+    assert 0.5 <= sleeps[0] <= 0.55 and 16.0 <= sleeps[5] <= 17.6
+    assert all(30.0 <= s <= 33.0 for s in sleeps[6:]), sleeps
+    assert 30.0 <= bso._delay(5000, None) <= 33.0  # no overflow however far the count goes
 
 
 def test_an_exception_in_training_aborts_the_trial_and_restores_limits():

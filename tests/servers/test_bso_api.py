@@ -183,6 +183,9 @@ def test_unknown_job_and_trial_are_404_naming_them(bso_server: Served) -> None:
     ({"policy": "zeus"}, {"policy"}),
     ({"unknown": 1}, {"unknown"}),
     ({"seed": -1}, {"seed"}),
+    ({"seed": True, "max_epochs": True}, {"seed", "max_epochs"}),  # JSON true is no integer
+    ({"knobs": {"lr": "x" * 1001}}, {"knobs"}),
+    ({"knobs": {"k" * 1001: 1}}, {"knobs"}),
 ])
 def test_bad_job_is_422_naming_fields(bso_server: Served, body: dict, fields: set[str]) -> None:
     full = {} if body == {} else {**spec(), **body}
@@ -201,6 +204,7 @@ def test_bad_job_is_422_naming_fields(bso_server: Served, body: dict, fields: se
     ({"epoch": 1.5, "time_s": "x", "energy_j": 1, "metric": 0}, {"epoch", "time_s"}),
     ({"epoch": 2_000_000, "time_s": 1, "energy_j": 1, "metric": 0}, {"epoch"}),
     ({"epoch": 1, "time_s": 1, "energy_j": 1, "metric": 0, "loss": 3}, {"loss"}),
+    ({"epoch": True, "time_s": 1, "energy_j": 1, "metric": 0}, {"epoch"}),
 ])
 def test_bad_report_is_422_naming_fields(bso_server: Served, body: dict, fields: set[str]) -> None:
     with bso_server.client() as c:
@@ -228,6 +232,20 @@ def test_malformed_bodies_are_422(bso_server: Served) -> None:
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "job_id"]
 
 
+def test_nul_and_control_characters_are_422_on_every_backend(bso_server: Served) -> None:
+    """PostgreSQL's text cannot hold NUL: refused up front with the field named, not a 500."""
+    with bso_server.client() as c:
+        job = register(c, spec())
+        for field in ("client", "request_id"):
+            r = c.post(f"/jobs/{job}/trials", json={field: "a\x00b"})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", field], r.text
+        r = c.get("/jobs/abc%00def")
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "job_id"]
+        r = c.get(f"/jobs/{job}/trials/abc%01def")
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "trial_id"]
+        assert c.post(f"/jobs/{job}/trials", json={"client": "host-1 pid 42"}).status_code == 201
+
+
 def test_bearer_token(bso_server: Served) -> None:
     with httpx.Client(base_url=bso_server.url, timeout=10) as c:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic Zm9vOmJhcg=="}):
@@ -243,7 +261,7 @@ def test_bearer_token(bso_server: Served) -> None:
 def test_healthz_and_metrics(bso_server: Served) -> None:
     with bso_server.client() as c:
         health = c.get("/healthz").json()
-        assert health == {"status": "ok", "database": bso_server.backend, "revision": "0002"}
+        assert health == {"status": "ok", "database": bso_server.backend, "revision": "0003"}
         before = c.get("/metrics").text
         job = register(c, spec())
         trial = c.post(f"/jobs/{job}/trials").json()["trial_id"]

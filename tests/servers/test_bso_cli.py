@@ -31,6 +31,8 @@ def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--token", " "], "--token (or $JOULES_SERVER_TOKEN) is empty"),
     (["--token", " tok"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
     (["--token", "tok\n"], "--token (or $JOULES_SERVER_TOKEN) starts or ends with whitespace"),
+    (["--token", "sécret"], "--token (or $JOULES_SERVER_TOKEN) has characters other than printable ASCII"),
+    (["--token", "a\tb"], "--token (or $JOULES_SERVER_TOKEN) has characters other than printable ASCII"),
     (["--port", "0"], "--port"),
 ])
 def test_bad_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

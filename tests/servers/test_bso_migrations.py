@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from joules.errors import JoulesError
 from joules.servers.batch_size import db as dbm
@@ -24,8 +24,9 @@ def test_migrations_ship_inside_the_package() -> None:
     assert Path(package.__file__).parent == dbm.MIGRATIONS_DIR
     assert (dbm.MIGRATIONS_DIR / "env.py").is_file()
     shipped = sorted(p.name for p in Path(versions.__file__).parent.glob("0*.py"))
-    assert shipped == ["0001_initial_schema.py", "0002_trial_last_activity.py"]
-    assert dbm.head_revision() == "0002"
+    assert shipped == ["0001_initial_schema.py", "0002_trial_last_activity.py",
+                       "0003_epoch_report_bigint_id.py"]
+    assert dbm.head_revision() == "0003"
 
 
 def test_upgrade_from_empty_matches_models_and_downgrades(bso_backend: str,
@@ -40,6 +41,13 @@ def test_upgrade_from_empty_matches_models_and_downgrades(bso_backend: str,
             opts = {"version_table": dbm.VERSION_TABLE, "compare_type": True}
             ctx = MigrationContext.configure(conn, opts=opts)
             assert compare_metadata(ctx, dbm.Base.metadata) == []
+        if bso_backend == "postgresql":  # one id sequence serves every job: 64 bits
+            with db.engine.connect() as conn:
+                kinds = conn.execute(text(
+                    "SELECT c.data_type, s.data_type FROM information_schema.columns c, "
+                    "information_schema.sequences s WHERE c.table_name = 'bso_epoch_reports' "
+                    "AND c.column_name = 'id' AND s.sequence_name = 'bso_epoch_reports_id_seq'")).one()
+            assert tuple(kinds) == ("bigint", "bigint")
         dbm.upgrade(db)  # again: nothing to do
         dbm.downgrade(db, "base")
         left = set(inspect(db.engine).get_table_names())
@@ -98,6 +106,23 @@ def test_url_normalization(tmp_path: Path) -> None:
     path = tmp_path / "x.sqlite"
     assert dbm.normalize_url(str(path)).database == str(path)
     assert dbm.safe_url(dbm.normalize_url("postgresql://u:secret@h/db")) == "postgresql+psycopg://u:***@h/db"
+
+
+def test_sqlite_urls_name_one_file_whatever_the_directory(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``~`` is the home and a relative path is made absolute: a server started elsewhere finds its state."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home_db = str(tmp_path / "home/bso/state.sqlite")
+    assert dbm.normalize_url("sqlite:///~/bso/state.sqlite").database == home_db
+    monkeypatch.chdir(tmp_path)
+    assert dbm.normalize_url("sqlite:///rel/s.sqlite").database == str(tmp_path / "rel/s.sqlite")
+    db = dbm.Database("sqlite:///~/bso/state.sqlite")
+    try:
+        dbm.upgrade(db)
+    finally:
+        db.dispose()
+    assert (tmp_path / "home/bso/state.sqlite").is_file()
+    assert not (tmp_path / "~").exists()
 
 
 def test_serve_workers_skip_the_migrations_their_parent_ran(tmp_path: Path,

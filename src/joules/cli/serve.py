@@ -115,11 +115,12 @@ def register(app: typer.Typer) -> None:
         """
         _check_server_packages()
         from joules.servers.batch_size import app as appm
+        from joules.servers.batch_size.schemas import token_problem
 
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise JoulesError(f"bad --log-level {log_level!r}: "
                               "critical, error, warning, info, debug or trace")
-        if token is not None and (problem := appm.token_problem(token)) is not None:
+        if token is not None and (problem := token_problem(token)) is not None:
             raise JoulesError(f"--token (or ${TOKEN_ENV}) {problem}: fix it, or leave the option out")
         if db is None:
             db = default_database_url()

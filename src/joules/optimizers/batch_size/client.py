@@ -58,6 +58,7 @@ from joules.servers.batch_size.schemas import (
     TrialCreate,
     TrialEnd,
     TrialOut,
+    token_problem,
 )
 from joules.servers.batch_size.settings import TOKEN_ENV
 
@@ -66,6 +67,7 @@ log = logging.getLogger("joules.batch_size")
 _WINDOW = "joules.batch_size"
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504}) | frozenset(range(505, 600))
 _MAX_RETRY_AFTER_S = 60.0
+_MAX_BACKOFF_S = 30.0  # the longest wait between retries (before jitter)
 M = TypeVar("M", bound=BaseModel)
 
 _STOP_REASONS = {
@@ -154,8 +156,8 @@ class BatchSizeOptimizer:
         timeout_s: Timeout of each request (connect, read, write), s.
         retries: Retries of a request that failed with a connection error, a timeout, a 5xx
             or a 429 answer (no other 4xx is retried).
-        backoff_s: Wait before the first retry; it doubles with every retry (plus up to 10%
-            jitter). A 429's ``Retry-After`` is honored up to 60 s.
+        backoff_s: Wait before the first retry; it doubles with every retry up to 30 s (plus
+            up to 10% jitter). A 429's ``Retry-After`` is honored up to 60 s.
         power_limit: Optimize the GPU power limit within each trial: ``True`` (default), a
             dict of :class:`~joules.optimizers.power_limit.PowerLimitOptimizer` arguments
             (``selector``, ``warmup_steps``, ``handle_signals``...), or ``False``. By default
@@ -219,6 +221,8 @@ class BatchSizeOptimizer:
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         headers = {"Accept": "application/json", "User-Agent": "joules-batch-size-client"}
         if token:
+            if (problem := token_problem(token)) is not None:
+                raise ValueError(f"token (or ${TOKEN_ENV}) {problem}")
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=self.timeout_s,
                                   transport=transport)
@@ -661,7 +665,7 @@ class BatchSizeOptimizer:
                           last_status)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
-        delay = self.backoff_s * 2 ** (attempt - 1)
+        delay = min(self.backoff_s * 2.0 ** min(attempt - 1, 60), _MAX_BACKOFF_S)
         delay += random.uniform(0.0, 0.1 * delay)
         if retry_after is not None:
             delay = max(delay, min(retry_after, _MAX_RETRY_AFTER_S))

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from joules.servers.batch_size import db as dbm
 from joules.servers.batch_size.schemas import (
+    PRINTABLE_PATTERN,
     EpochAnswer,
     EpochReport,
     JobCreate,
@@ -39,6 +40,7 @@ from joules.servers.batch_size.schemas import (
     TrialCreate,
     TrialEnd,
     TrialOut,
+    token_problem,
 )
 from joules.servers.batch_size.service import BatchSizeService, InvalidError, PolicyFactory, ServiceError
 from joules.servers.batch_size.settings import (
@@ -93,8 +95,9 @@ class TrialPage(BaseModel):
     limit: int = Field(MAX_TRIALS_PAGE, ge=1, le=MAX_TRIALS_PAGE, description="At most this many trials.")
 
 
-JobId = Path(min_length=1, max_length=64, description="The job's id (``job_id`` from ``POST /jobs``).")
-TrialId = Path(min_length=1, max_length=64,
+JobId = Path(min_length=1, max_length=64, pattern=PRINTABLE_PATTERN,
+             description="The job's id (``job_id`` from ``POST /jobs``).")
+TrialId = Path(min_length=1, max_length=64, pattern=PRINTABLE_PATTERN,
                description="The trial's id (``trial_id`` from ``POST .../trials``).")
 
 
@@ -192,15 +195,6 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
     return value
-
-
-def token_problem(token: str) -> str | None:
-    """What makes ``token`` unusable as a bearer token, or ``None`` when it is fine."""
-    if not token.strip():
-        return "is empty"
-    if token != token.strip():  # HTTP strips the whitespace around a header's value
-        return "starts or ends with whitespace, which no client can send"
-    return None
 
 
 def create_app(

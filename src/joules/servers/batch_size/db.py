@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Double,
@@ -136,7 +137,10 @@ class EpochReportRow(Base):
     __tablename__ = "bso_epoch_reports"
     __table_args__ = (UniqueConstraint("trial_id", "epoch"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit on PostgreSQL (one sequence serves every job); SQLite's rowid is 64-bit already,
+    # and only INTEGER is its rowid alias.
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
     trial_id: Mapped[str] = mapped_column(ForeignKey("bso_trials.id", ondelete="CASCADE"))
     epoch: Mapped[int] = mapped_column(Integer)
     time_s: Mapped[float] = mapped_column(Double)
@@ -186,6 +190,9 @@ def normalize_url(database_url: str) -> URL:
             raise JoulesError(f"unsupported SQLite driver {url.get_driver_name()!r}: use sqlite:///PATH")
         if not url.database or url.database == ":memory:" or url.query.get("mode") == "memory":
             raise JoulesError("in-memory SQLite cannot be shared by server processes: use sqlite:///PATH")
+        if not url.database.startswith("file:"):
+            # One file whatever the directory a server (or a worker) starts in; ~ is the home.
+            url = url.set(database=str(Path(url.database).expanduser().resolve()))
     else:
         raise JoulesError(f"unsupported database {backend!r} in {safe_url(url)}: use sqlite:///PATH "
                           "or postgresql://USER@HOST:PORT/DATABASE")
@@ -245,7 +252,7 @@ def make_engine(database_url: str | URL, pool_size: int | None = None) -> Engine
     url = database_url if isinstance(database_url, URL) else normalize_url(database_url)
     try:
         if url.get_backend_name() == "sqlite":
-            Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
             size = pool_size or 1
             engine = create_engine(
                 url, pool_size=size, max_overflow=0 if pool_size is None else 2 * size, pool_timeout=120,

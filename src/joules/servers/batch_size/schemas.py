@@ -28,9 +28,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}$"
+PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f]*$"  # no NUL (PostgreSQL text cannot hold it) nor control characters
+MAX_KNOB_LENGTH = 1000  # of a knob's name and of a string value
 
 # Upper bounds of the values the server stores and computes with: a batch size must fit the
 # database's 32-bit integer column; the others keep every total, cost and time computed from
@@ -47,32 +49,42 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _not_bool(value: object) -> object:
+    if isinstance(value, bool):  # JSON true is not the integer 1
+        raise ValueError("must be an integer, not a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+KnobText = Annotated[str, Field(max_length=MAX_KNOB_LENGTH)]
+
+
 class JobCreate(_Model):
     """A recurring job and how to choose its batch size."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="Unique name of the recurring job.")
-    batch_sizes: list[Annotated[int, Field(gt=0, le=MAX_BATCH_SIZE)]] = Field(
+    batch_sizes: list[Annotated[Int, Field(gt=0, le=MAX_BATCH_SIZE)]] = Field(
         min_length=1, max_length=256, json_schema_extra={"uniqueItems": True},
         description="Candidate batch sizes (distinct, positive, at most 2**31 - 1).")
-    default_batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE,
+    default_batch_size: Int = Field(gt=0, le=MAX_BATCH_SIZE,
                                     description="Where exploration starts; one of batch_sizes.")
     target_metric: float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
     higher_is_better: bool = Field(True, description="False for metrics like WER.")
-    max_epochs: int = Field(gt=0, le=1_000_000, description="Epochs after which a trial fails.")
+    max_epochs: Int = Field(gt=0, le=1_000_000, description="Epochs after which a trial fails.")
     max_power_w: float = Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False,
                                description="Max power of the job's GPUs, W (at most 1e9).")
     eta: float = Field(0.5, ge=0.0, le=1.0, description="Weight of energy in the cost.")
     beta: float = Field(2.0, gt=1.0, le=1000.0, allow_inf_nan=False, description="Early-stop factor.")
-    window_size: int = Field(0, ge=0, le=100_000, description="Observations kept per batch size; 0: all.")
+    window_size: Int = Field(0, ge=0, le=100_000, description="Observations kept per batch size; 0: all.")
     prior_mean: float | None = Field(None, ge=-MAX_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)
     prior_precision: float = Field(0.0, ge=0.0, le=MAX_PRIOR, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
     policy: Literal["joules", "nsdi23"] = "joules"
     stale_after_s: float = Field(
         86400.0, ge=1.0, le=MAX_STALE_AFTER_S, allow_inf_nan=False,
         description="A running trial with no epoch report (nor creation) for this long, s, is ended as "
                     "aborted, freeing its batch size for the policy (at most 10 years).")
-    knobs: dict[str, str | Annotated[float, Field(allow_inf_nan=False)] | int | bool] = Field(
+    knobs: dict[KnobText, KnobText | Annotated[float, Field(allow_inf_nan=False)] | int | bool] = Field(
         default_factory=dict, max_length=64, description="Other settings of the job, kept for reference.")
 
     @field_validator("batch_sizes")
@@ -124,9 +136,11 @@ class JobState(_Model):
 class TrialCreate(_Model):
     """Ask for a new trial."""
 
-    client: str | None = Field(None, max_length=200, description="Free text: host, run id...")
+    client: str | None = Field(None, max_length=200, pattern=PRINTABLE_PATTERN,
+                               description="Free text: host, run id...")
     request_id: str | None = Field(
-        None, min_length=1, max_length=64, exclude_if=lambda v: v is None,  # unset: not sent at all
+        None, min_length=1, max_length=64, pattern=PRINTABLE_PATTERN,
+        exclude_if=lambda v: v is None,  # unset: not sent at all
         description="Idempotency key of the client's choosing: a retry with the same key gets the same "
                     "trial back (200) instead of a second one.")
 
@@ -152,7 +166,7 @@ class TrialOut(_Model):
 class EpochReport(_Model):
     """One epoch of a trial: its time, energy, and validation metric after it."""
 
-    epoch: int = Field(ge=1, le=1_000_000)
+    epoch: Int = Field(ge=1, le=1_000_000)
     time_s: float = Field(ge=0.0, le=MAX_EPOCH_TIME_S, allow_inf_nan=False)
     energy_j: float = Field(ge=0.0, le=MAX_EPOCH_ENERGY_J, allow_inf_nan=False)
     metric: float = Field(allow_inf_nan=False)
@@ -171,3 +185,14 @@ class TrialEnd(_Model):
     """End a trial: ``completed`` (its epochs tell how) or ``aborted`` (crashed, cancelled)."""
 
     status: Literal["completed", "aborted"] = "completed"
+
+
+def token_problem(token: str) -> str | None:
+    """What makes ``token`` unusable as a bearer token, or ``None`` when it is fine."""
+    if not token.strip():
+        return "is empty"
+    if token != token.strip():  # HTTP strips the whitespace around a header's value
+        return "starts or ends with whitespace, which no client can send"
+    if not (token.isascii() and token.isprintable()):
+        return "has characters other than printable ASCII, which clients cannot send in a header"
+    return None
