@@ -125,6 +125,43 @@ def test_clock_cannot_go_backwards() -> None:
     assert clock.advance_to(5.0) == 5.0  # standing still is fine
 
 
+def test_a_callback_that_advances_the_clock_is_not_undone() -> None:
+    clock = VirtualClock()
+    seen: list[float] = []
+
+    def tick(now: float) -> None:
+        seen.append(now)
+        if len(seen) == 2:
+            clock.advance(5.0)  # e.g. a simulated workload sleeping inside a sampler tick
+
+    clock.every(1.0, tick)
+    clock.advance(2.0)
+    assert seen[:2] == [0.0, 1.0] and clock.now() >= 6.0
+    before = clock.now()
+    clock.advance(0.5)
+    assert clock.now() == before + 0.5
+
+
+def test_advance_from_many_threads_loses_no_time() -> None:
+    clock = VirtualClock()
+    clock.every(0.001, lambda now: time.sleep(0))  # yields: other threads run mid-advance
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(500):
+                clock.advance(0.001)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and clock.now() == pytest.approx(2.0)
+
+
 def test_sleep_advances_the_virtual_clock_and_fires_timers() -> None:
     clock = VirtualClock()
     calls: list[float] = []

@@ -131,7 +131,8 @@ class VirtualClock:
         """Move time forward by ``seconds`` (>= 0), firing due timers. Returns the new time."""
         if seconds < 0:
             raise ValueError(f"a clock cannot go backwards (advance by {seconds})")
-        return self.advance_to(self._now + seconds)
+        with self._lock:  # re-entrant: advance_to takes it again
+            return self.advance_to(self._now + seconds)
 
     def advance_to(self, t: float) -> float:
         """Move time forward to ``t``, firing due timers. Returns the new time."""
@@ -146,5 +147,5 @@ class VirtualClock:
                 timer.callback(self._now)
                 if not timer.cancelled:
                     heapq.heappush(self._queue, (due + timer.period, next(self._seq), timer))
-            self._now = t
+            self._now = max(self._now, t)  # a timer's callback may have advanced the clock further
             return self._now
