@@ -3,6 +3,8 @@
 ::
 
     from joules.integrations.huggingface import PowerLimitCallback
+    from joules.monitoring.monitor import EnergyMonitor
+    from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
 
     optimizer = PowerLimitOptimizer(EnergyMonitor(), selector="cost:0.5", workload="bert-base/b32")
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[PowerLimitCallback(optimizer)])

@@ -3,6 +3,8 @@
 ::
 
     from joules.integrations.lightning import PowerLimitCallback
+    from joules.monitoring.monitor import EnergyMonitor
+    from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
 
     optimizer = PowerLimitOptimizer(EnergyMonitor(), selector="cost:0.5", workload="resnet50/b256")
     trainer = lightning.Trainer(max_epochs=10, callbacks=[PowerLimitCallback(optimizer)])
@@ -31,6 +33,7 @@ other ranks through ``torch.distributed`` itself.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 try:
@@ -67,6 +70,8 @@ class PowerLimitCallback(Callback):
     # -- training -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.optimizer.on_train_begin()
+        if self.pause_on_validation_and_save:
+            self._pause_on_save(trainer)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.optimizer.on_epoch_begin()
@@ -83,9 +88,11 @@ class PowerLimitCallback(Callback):
         self.optimizer.on_epoch_end()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unwrap_save(trainer)
         self.optimizer.on_train_end()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._unwrap_save(trainer)
         try:
             self.optimizer.on_train_end()  # drops a measurement in progress, then restores
         finally:
@@ -97,6 +104,25 @@ class PowerLimitCallback(Callback):
         if self.pause_on_validation_and_save:
             self.optimizer.pause()
 
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.pause_on_validation_and_save:
+    def _pause_on_save(self, trainer: Any) -> None:
+        """Pause before every checkpoint the trainer saves while it trains.
+
+        ``trainer.save_checkpoint`` is wrapped for the duration of ``fit``: Lightning calls the
+        callbacks' ``on_save_checkpoint`` only for full checkpoints, not for weights-only ones
+        (``ModelCheckpoint(save_weights_only=True)``).
+        """
+        if getattr(vars(trainer).get("save_checkpoint"), "_joules_callback", None) is self:
+            return  # fit again: still wrapped
+        save = trainer.save_checkpoint
+
+        @functools.wraps(save)
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             self.optimizer.pause()
+            return save(*args, **kwargs)
+
+        save_checkpoint._joules_callback = self  # type: ignore[attr-defined]
+        trainer.save_checkpoint = save_checkpoint
+
+    def _unwrap_save(self, trainer: Any) -> None:
+        if getattr(vars(trainer).get("save_checkpoint"), "_joules_callback", None) is self:
+            del trainer.save_checkpoint
