@@ -58,6 +58,14 @@ class _ThreadTimer:
             if self._stop.wait(delay):
                 break
 
+    @property
+    def alive(self) -> bool:
+        """Whether the task still runs: not cancelled, and its thread exists.
+
+        A forked child has none of its parent's threads.
+        """
+        return not self._stop.is_set() and self._thread.is_alive()
+
     def cancel(self) -> None:
         self._stop.set()
         if threading.current_thread() is not self._thread:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
 import sys
 import threading
@@ -1208,3 +1209,35 @@ def test_cpu_bound_covers_windows_without_a_rapl_update() -> None:
         for d, true in ((m.cpu[0], c.true_package_energy_j() - e0), (m.dram[0], c.true_dram_energy_j() - d0)):
             assert d.uncertainty_j > 0
             assert abs(d.energy_j - true) <= d.uncertainty_j + 1e-12
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_samples_again() -> None:
+    """A monitor made before a fork (DDP's fork strategies, notebooks) measures as well in the child.
+
+    A P100 has no energy counter: its energy comes from the sampler, whose thread a forked
+    child does not inherit; the child's first window starts one.
+    """
+    import multiprocessing
+
+    mon = EnergyMonitor(sim="P100")  # real clock
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+
+    def window() -> tuple[str, float, bool]:
+        mon.begin_window("w")
+        time.sleep(0.4)
+        m = mon.end_window("w")
+        return m.sources["gpu0"], m.gpu[0].uncertainty_j, mon.sampler.running
+
+    try:
+        parent = window()
+        child = ctx.Process(target=lambda: out.put(window()))
+        child.start()
+        got = out.get(timeout=30)
+        child.join(timeout=30)
+    finally:
+        mon.close()
+    assert parent[0] == "sampled" and parent[2]
+    assert got[0] == "sampled" and got[2], got
+    assert got[1] < 5.0, got  # was the worst case (0 W to the highest limit): about 100 J

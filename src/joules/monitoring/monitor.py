@@ -6,15 +6,15 @@ import functools
 import inspect
 import itertools
 import math
+import os
 import socket
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from joules.devices.base import CPU, GPU, DeviceSet
+from joules.devices.base import CPU, GPU, DeviceSet, fork_safe_lock
 from joules.devices.discovery import discover
 from joules.errors import DeviceNotFoundError, WindowError
 from joules.monitoring.log import WindowLog
@@ -148,7 +148,8 @@ class EnergyMonitor:
         self._windows: dict[str, _Edge] = {}
         self._closed = False
         self._discarded: set[str] = set()  # keys of the windows open when the monitor closed
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)  # a forked child gets a free one
+        self._pid = os.getpid()
         # Per CPU package: [package, DRAM] highest power reported, and latest rate measured
         # over a window long enough to span many RAPL updates.
         self._cpu_max = [[c.max_power_w(), c.max_power_w(dram=True)] for c in self.cpus]
@@ -211,6 +212,10 @@ class EnergyMonitor:
         return b.counter + before * (split - b.tick) + power * (b.t - split)
 
     def _edge(self, name: str) -> _Edge:
+        if self._pid != os.getpid():  # a forked child: the sampler's thread stayed in the parent
+            self._pid = os.getpid()
+            if not self._closed:
+                self.sampler.start()
         if self._sync is not None:
             self._sync()
         now = self.clock.now

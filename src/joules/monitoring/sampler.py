@@ -17,7 +17,6 @@ import bisect
 import csv
 import json
 import math
-import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from joules.clock import Clock, Timer
-from joules.devices.base import CPU, GPU
+from joules.devices.base import CPU, GPU, fork_safe_lock
 
 # Poll at a fraction of the counter period that is not a simple ratio, so that poll times
 # sweep across the counter's update phase and the phase can be pinned down quickly.
@@ -64,7 +63,8 @@ class CounterTracker:
     """
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
-                 "_changes", "_values", "_last_end", "snapshot", "monotonic", "learn_phase", "resets")
+                 "_changes", "_values", "_last_end", "snapshot", "monotonic", "learn_phase", "resets",
+                 "__weakref__")  # weakly held by the fork hook that renews _lock
 
     history = 1024
     """Counter updates remembered, for interpolating window edges after the fact."""
@@ -89,7 +89,7 @@ class CounterTracker:
         # The update that produced the current value happened in (_lo, _hi].
         self._lo = -math.inf
         self._hi = -math.inf
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)  # a forked child gets a free one
         # Recent updates: (new value, lo, hi), the update having happened in (lo, hi]; and
         # their values alone, for bisection.
         self._changes: deque[tuple[float, float, float]] = deque(maxlen=self.history)
@@ -329,14 +329,14 @@ class PowerSampler:
         self._cpu_every = max(1, int(min((c.max_read_interval_s() for c in self.cpus), default=60.0)
                                      / 4.0 / interval_s))
         self._ticks = 0
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)  # a forked child gets a free one
         self._timer: Timer | None = None
         self.errors = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> PowerSampler:
-        """Start sampling (idempotent)."""
-        if self._timer is None:
+        """Start sampling (idempotent); in a forked child, start the thread the parent's sampler had."""
+        if not self.running:
             self._timer = self.clock.every(self.interval_s, self._tick, name="joules-sampler")
         return self
 
@@ -348,8 +348,8 @@ class PowerSampler:
 
     @property
     def running(self) -> bool:
-        """Whether the sampler is started."""
-        return self._timer is not None
+        """Whether the sampler is started (and, on a thread, that thread exists in this process)."""
+        return self._timer is not None and getattr(self._timer, "alive", True)
 
     def _tick(self, now: float) -> None:
         for track in self._tracks.values():
