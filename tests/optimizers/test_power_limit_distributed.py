@@ -33,7 +33,7 @@ def _truth(rank: int, limit: float) -> tuple[float, float]:
     return t, sim.gpus[0].true_energy_j() - e0
 
 
-def _worker(rank: int, port: int, out: Path, store: Path) -> None:
+def _worker(rank: int, port: int, out: Path, store: Path, shared: bool = False) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -45,7 +45,8 @@ def _worker(rank: int, port: int, out: Path, store: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
-        sim = Simulator(SPECS[rank])
+        # shared: both ranks see both GPUs of one node (torchrun without CUDA_VISIBLE_DEVICES)
+        sim = Simulator("A100x2" if shared else SPECS[rank])
         sim.set_workload(Constant(1.0), cpus=False)
         monitor = EnergyMonitor(devices=sim.devices())
         opt = PowerLimitOptimizer(monitor, selector="energy", warmup_steps=2, profile_steps=10,
@@ -57,7 +58,7 @@ def _worker(rank: int, port: int, out: Path, store: Path) -> None:
             for _ in range(60):
                 opt.on_step_begin()
                 seen.append(sim.gpus[0].power_limit_w())
-                sim.run(WORK_S, CF[rank])
+                sim.run(WORK_S, CF[0] if shared else CF[rank])
                 opt.on_step_end()
             opt.on_epoch_end()
         assert opt.state is State.DONE
@@ -69,18 +70,19 @@ def _worker(rank: int, port: int, out: Path, store: Path) -> None:
         dist.destroy_process_group()
 
 
-def _launch(port: int, out: Path, store: Path) -> int:
+def _launch(port: int, out: Path, store: Path, shared: bool) -> int:
     import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
 
-    return run_forked(_worker, [(r, port, out, store) for r in range(WORLD)], timeout_s=60)
+    return run_forked(_worker, [(r, port, out, store, shared) for r in range(WORLD)], timeout_s=60)
 
 
-def _run_world(out: Path, store: Path) -> list[dict]:
+def _run_world(out: Path, store: Path, shared: bool = False) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "JOULES_SIM": "",
            "JOULES_STATE_DIR": str(store.parent)}
     for _attempt in range(2):  # a second try in case another process took the free port
         cmd = [sys.executable, __file__, "--launch", str(free_port()), str(out), str(store)]
+        cmd += ["--shared"] if shared else []
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -122,5 +124,24 @@ def test_ranks_agree_on_the_limit_from_combined_measurements(tmp_path):
         assert set(d["seen"]) == {r0["chosen_limit_w"]}
 
 
-if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--launch":
-    sys.exit(_launch(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])))
+def test_ranks_that_see_the_same_gpus_count_each_once(tmp_path):
+    """torchrun on one node sets no CUDA_VISIBLE_DEVICES per rank: every rank sees every GPU."""
+    pytest.importorskip("torch.distributed")
+    from joules.devices.sim import Constant, Simulator
+
+    runs = _run_world(tmp_path / "run", tmp_path / "state" / "profiles", shared=True)
+    r0, r1 = (d["report"] for d in runs)
+    assert r0["gpus"] == r1["gpus"] == 2 and r0["points"] == r1["points"]
+    for p in r0["points"]:  # the node's two GPUs, once (not once per rank)
+        sim = Simulator("A100x2")
+        sim.set_workload(Constant(1.0), cpus=False)
+        for g in sim.gpus:
+            g.set_power_limit_w(p["limit_w"])
+        e0 = sum(g.true_energy_j() for g in sim.gpus)
+        sim.run(WORK_S, CF[0])
+        node_j = sum(g.true_energy_j() for g in sim.gpus) - e0
+        assert p["energy_per_step_j"] == pytest.approx(node_j, rel=1e-2)
+
+
+if __name__ == "__main__" and len(sys.argv) in (5, 6) and sys.argv[1] == "--launch":
+    sys.exit(_launch(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:] == ["--shared"]))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -215,6 +216,7 @@ class PowerLimitOptimizer:
         self._applied: float | None = None
         self._dist: Any = None
         self._model = self.gpus[0].name
+        self._counted = list(self.gpus)  # the GPUs whose energy this rank adds to the job's
         self._measured: list[float] = []  # limits measured by this optimizer (not saved ones)
         self._steps_since_pause = 0
         self._measured_since_pause = 0
@@ -278,8 +280,7 @@ class PowerLimitOptimizer:
         self._dist = _torch_dist() if self._distributed in ("auto", True) else None
         if self._distributed is True and self._dist is None:
             raise JoulesError("distributed=True but torch.distributed is not initialized")
-        self.total_gpus = int(self._allreduce([float(len(self.gpus))], "sum")[0])
-        self._model = self._gpu_model()
+        self._model, self.total_gpus, self._counted = self._job_gpus()
         self.selector = self._make_selector()
         self.limits_w = self._candidate_limits()
         saved = self._load_saved() or []
@@ -486,7 +487,7 @@ class PowerLimitOptimizer:
         assert acc is not None
         if acc.segment_steps == 0:
             return
-        energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self.gpus)
+        energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self._counted)
         acc.steps += acc.segment_steps
         acc.time_s += m.elapsed_s
         acc.energy_j += energy
@@ -581,15 +582,28 @@ class PowerLimitOptimizer:
         n = int(math.floor((hi - lo) / self.step_w + 1e-9))
         return [hi - k * self.step_w for k in range(n + 1)]
 
-    def _gpu_model(self) -> str:
-        """The GPU model(s) of the whole job, as saved profiles are keyed by it."""
-        names = [g.name for g in self.gpus]
-        if self._dist is not None:
-            gathered: list[list[str]] = [[] for _ in range(self._dist.get_world_size())]
-            self._dist.all_gather_object(gathered, names)
-            names = [n for rank_names in gathered for n in rank_names]
-        models = sorted(set(names))
-        return models[0] if len(models) == 1 else "+".join(models)
+    def _job_gpus(self) -> tuple[str, int, list[GPU]]:
+        """The job's GPU model(s) and GPU count, and the GPUs whose energy this rank counts.
+
+        Saved profiles are keyed by the model(s) and count. Ranks on one host may each see
+        every GPU (``torchrun`` sets no ``CUDA_VISIBLE_DEVICES`` per rank): a GPU is counted
+        once, by the lowest rank that sees it (by host and UUID).
+        """
+        host = socket.gethostname()
+        mine = [(host, g.uuid, g.name) for g in self.gpus]
+        if self._dist is None:
+            ranks = [mine]
+        else:
+            ranks = [[] for _ in range(self._dist.get_world_size())]
+            self._dist.all_gather_object(ranks, mine)
+        owner: dict[tuple[str, str], tuple[int, str]] = {}
+        for rank, gpus in enumerate(ranks):
+            for h, uuid, name in gpus:
+                owner.setdefault((h, uuid), (rank, name))
+        me = self._rank()
+        counted = [g for g in self.gpus if owner[(host, g.uuid)][0] == me]
+        models = sorted({name for _, name in owner.values()})
+        return (models[0] if len(models) == 1 else "+".join(models)), len(owner), counted
 
     def _load_saved(self) -> list[LimitPoint] | None:
         """The saved points at the current candidate limits (rank 0 reads, and broadcasts)."""
