@@ -368,8 +368,9 @@ def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
         except Exception as e:  # noqa: BLE001 - reported
             out.failed.append(f"could not set the power limit {heir.applied_power_limit_w:g} W: {e}")
         else:
-            out.done.append(_handed_over(heir))
-            out.handed_over.append(_handed_over(heir))
+            message = _handed_over(heir)
+            out.done.append(message)
+            out.handed_over.append(message)
             out.power_done = True
         return out
     try:

@@ -6,15 +6,15 @@ import functools
 import inspect
 import itertools
 import math
-import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from joules.devices.base import CPU, GPU, DeviceSet, fork_safe_lock
+from joules.devices.base import CPU, GPU, DeviceSet, renew_locks_after_fork
 from joules.devices.discovery import discover
 from joules.errors import DeviceNotFoundError, WindowError
 from joules.monitoring.log import WindowLog
@@ -73,6 +73,12 @@ def _select(items: Sequence[GPU] | Sequence[CPU], wanted: Sequence[int] | None, 
             raise DeviceNotFoundError(f"{kind} index {i} not found (available: {have})")
         out.append(by_index[i])
     return out
+
+
+def _after_fork_in_child(monitor: EnergyMonitor) -> None:
+    """A forked child's copy of a monitor: a free lock, and a sampler to start at the next edge."""
+    monitor._lock = threading.Lock()
+    monitor._forked = True
 
 
 def _power_ceiling_w(gpu: GPU) -> float | None:
@@ -148,8 +154,9 @@ class EnergyMonitor:
         self._windows: dict[str, _Edge] = {}
         self._closed = False
         self._discarded: set[str] = set()  # keys of the windows open when the monitor closed
-        self._lock = fork_safe_lock(self)  # a forked child gets a free one
-        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._forked = False  # set in a forked child, whose sampler thread stayed in the parent
+        renew_locks_after_fork(self, _after_fork_in_child)
         # Per CPU package: [package, DRAM] highest power reported, and latest rate measured
         # over a window long enough to span many RAPL updates.
         self._cpu_max = [[c.max_power_w(), c.max_power_w(dram=True)] for c in self.cpus]
@@ -212,8 +219,8 @@ class EnergyMonitor:
         return b.counter + before * (split - b.tick) + power * (b.t - split)
 
     def _edge(self, name: str) -> _Edge:
-        if self._pid != os.getpid():  # a forked child: the sampler's thread stayed in the parent
-            self._pid = os.getpid()
+        if self._forked:
+            self._forked = False
             if not self._closed:
                 self.sampler.start()
         if self._sync is not None:
