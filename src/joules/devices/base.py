@@ -257,6 +257,10 @@ class CPU(ABC):
     def has_dram(self) -> bool:
         """Whether :meth:`dram_energy_j` is available."""
 
+    def readable(self) -> bool:
+        """Whether this process can read the package energy (RAPL counters are often root-only)."""
+        return True
+
     @abstractmethod
     def dram_energy_j(self) -> float:
         """Cumulative DRAM energy, J, wrap-corrected. NotSupportedError if none."""

@@ -294,8 +294,11 @@ class RaplCPU(CPU):
             self.psys.energy_uj()  # so that a sampler reading packages also catches psys wraps
         return value
 
+    def readable(self) -> bool:
+        return self.package.readable
+
     def has_dram(self) -> bool:
-        return self.dram is not None
+        return self.dram is not None and self.dram.readable
 
     def dram_energy_j(self) -> float:
         if self.dram is None:

@@ -8,6 +8,7 @@ import itertools
 import math
 import socket
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from joules.devices.base import CPU, GPU, DeviceSet, renew_locks_after_fork
 from joules.devices.discovery import discover
-from joules.errors import DeviceNotFoundError, WindowError
+from joules.errors import DeviceNotFoundError, DevicePermissionError, WindowError
 from joules.monitoring.log import WindowLog
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
 from joules.monitoring.sampler import CounterTracker, PowerSampler
@@ -75,6 +76,33 @@ def _select(items: Sequence[GPU] | Sequence[CPU], wanted: Sequence[int] | None, 
     return out
 
 
+def _select_cpus(cpus: Sequence[CPU], wanted: Sequence[int] | None) -> list[CPU]:
+    """The CPU packages to measure: all readable ones by default, else exactly those asked for.
+
+    By default a package whose energy this process cannot read (RAPL counters are root-only
+    since Linux 5.10) is left out with a warning, so that GPUs are still measured. One asked
+    for by index must be readable.
+
+    Raises:
+        DeviceNotFoundError: An index does not exist.
+        DevicePermissionError: A package asked for cannot be read.
+    """
+    chosen: list[CPU] = _select(cpus, wanted, "CPU")
+    unreadable = [c for c in chosen if not c.readable()]
+    if not unreadable:
+        return chosen
+    problems = [p for c in unreadable for p in c.problems()[:1]]
+    why = problems[0].message if problems else "its energy counters cannot be read"
+    fixes = " / ".join(dict.fromkeys(p.fix for p in problems if p.fix))
+    indices = ", ".join(str(c.index) for c in unreadable)
+    message = f"CPU {indices}: {why}" + (f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else "")
+    message += f". Fix: {fixes}" if fixes else ""
+    if wanted is not None:
+        raise DevicePermissionError(f"cannot measure {message}")
+    warnings.warn(f"CPU package energy left out of the measurement: {message}", RuntimeWarning, stacklevel=3)
+    return [c for c in chosen if c.readable()]
+
+
 def _after_fork_in_child(monitor: EnergyMonitor) -> None:
     """A forked child's copy of a monitor: a free lock, and a sampler to start at the next edge."""
     monitor._lock = threading.Lock()
@@ -123,6 +151,8 @@ class EnergyMonitor:
 
     Raises:
         DeviceNotFoundError: A requested GPU or CPU index does not exist.
+        DevicePermissionError: A CPU package asked for by index cannot be read (by default,
+            such packages are left out with a ``RuntimeWarning``).
     """
 
     def __init__(
@@ -140,7 +170,7 @@ class EnergyMonitor:
         self.devices = devices if devices is not None else discover(sim=sim)
         self.clock = self.devices.clock
         self.gpus: list[GPU] = _select(self.devices.gpus, gpu_indices, "GPU")
-        self.cpus: list[CPU] = _select(self.devices.cpus, cpu_indices, "CPU")
+        self.cpus: list[CPU] = _select_cpus(self.devices.cpus, cpu_indices)
         self._dram = [c.has_dram() for c in self.cpus]
         self._periods = [g.energy_counter_period_s() or 0.0 for g in self.gpus]
         self._ceilings = [_power_ceiling_w(g) for g in self.gpus]
