@@ -311,7 +311,8 @@ def test_python_m_joules_is_the_command_line() -> None:
 
 def test_measure_ctrl_c_reaches_the_command_and_still_reports() -> None:
     r = _interrupt_after(["measure", "--sim", "A100", "--json", "--", "sleep", "30"], 2.0)
-    assert r.returncode == 128 + 2  # sleep was interrupted by the same Ctrl-C
+    # sleep was interrupted by the same Ctrl-C, and joules, once it has reported, ends of it too.
+    assert r.returncode == -2, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["exit_code"] == 130 and 0.5 < out["time_s"] < 10
     assert out["gpu_energy_j"]["0"] > 0
@@ -348,3 +349,55 @@ def test_restore_puts_back_what_a_dead_job_left(tmp_path: Path, monkeypatch: pyt
     (jdir / "bad.json").write_text("{")
     assert main(["restore", "--sim", "A100x2", "--journal-dir", str(jdir)]) == 1
     assert "unreadable restore journal" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_a_shell_loop_of_measured_commands(tmp_path: Path) -> None:
+    """A shell goes on after a command that exits 130; it stops when the command died of SIGINT."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "loop.sh"
+    script.write_text(f"for i in 1 2 3; do {JOULES} measure --sim A100 -- sleep 30; echo iteration $i; done\n"
+                      "echo loop finished\n")
+    p = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    time.sleep(2.0)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert "iteration" not in out and "loop finished" not in out, out
+    assert p.returncode == -2
+    assert "total" in err  # the measurement was still reported
+
+
+def test_measure_title_with_brackets_is_not_markup() -> None:
+    r = joules("measure", "--sim", "A100", "--", "sh", "-c", "exit 4", "data.paths=[/data/a]", "x[i]")
+    assert r.returncode == 4, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "data.paths=[/data/a]" in r.stderr and "x[i]" in r.stderr
+
+
+def test_measure_runs_a_script_without_a_shebang_line(tmp_path: Path) -> None:
+    script = tmp_path / "noshebang.sh"
+    script.write_text('echo "hi from $1"\nexit 5\n')
+    script.chmod(0o755)
+    r = joules("measure", "--sim", "A100", "--", str(script), "arg")
+    assert r.returncode == 5, r.stderr
+    assert r.stdout == "hi from arg\n"
+
+
+def test_measure_log_that_cannot_be_written_fails_before_the_command_runs(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").mkdir()
+    marker = tmp_path / "ran"
+    r = joules("measure", "--sim", "A100", "--log", str(tmp_path / "d.jsonl"), "--", "touch", str(marker))
+    assert r.returncode == 2 and "--log" in r.stderr and "cannot be written" in r.stderr
+    assert not marker.exists()
+    # Missing folders are made, as the window log does.
+    r = joules("measure", "--sim", "A100", "--log", str(tmp_path / "new" / "runs.jsonl"), "--", "true")
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "new" / "runs.jsonl").read_text().splitlines()) == 1
+
+
+def test_power_huge_interval_is_a_clear_error() -> None:
+    r = joules("power", "--sim", "A100", "--interval", "1e10")
+    assert r.returncode == 2 and r.stderr.startswith("joules: error: --interval must be at most")

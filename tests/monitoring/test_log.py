@@ -75,3 +75,26 @@ def test_csv_row_after_a_cut_off_line_stays_whole(tmp_path: Path) -> None:
     assert float(row["cpu0_energy_j"]) == 40.0 and row["cpu0_source"] == "sampled+corrected"
     assert float(row["total_energy_j"]) == pytest.approx(ours.total_energy_j)
     assert float(row["uncertainty_j"]) == pytest.approx(ours.uncertainty_j)
+
+
+def test_a_log_write_that_fails_warns_and_the_measurement_is_still_returned(tmp_path: Path) -> None:
+    from joules.devices.sim import Constant, Simulator
+    from joules.monitoring import EnergyMonitor
+
+    sim = Simulator("A100")
+    path = tmp_path / "runs.jsonl"
+    monitor = EnergyMonitor(devices=sim.devices(), log=path)
+    sim.set_workload(Constant(1.0))
+    monitor.begin_window("a")
+    sim.advance(1.0)
+    assert monitor.end_window("a").gpu_energy_j[0] > 0
+    monitor._log.close()  # type: ignore[union-attr]
+    path.unlink()
+    path.mkdir()  # the file is gone and cannot be made again: every write fails
+    monitor.begin_window("b")
+    sim.advance(1.0)
+    with pytest.warns(RuntimeWarning, match="window 'b' not written to the window log"):
+        m = monitor.end_window("b")
+    assert m.gpu_energy_j[0] == pytest.approx(sim.gpus[0].power_w(), rel=0.05)
+    assert monitor.last["b"] is m
+    monitor.close()

@@ -38,10 +38,15 @@ def _root(
     use_sim(sim)
 
 
+MAX_DURATION_S = 1e8  # about three years; far beyond what a sleep can take is refused
+
+
 def check_duration(name: str, value: float | None) -> None:
-    """A finite positive number of seconds, or ``None``."""
+    """A positive number of seconds up to ``MAX_DURATION_S``, or ``None``."""
     if value is not None and not (math.isfinite(value) and value > 0):
         raise JoulesError(f"{name} must be a positive number of seconds, got {value:g}")
+    if value is not None and value > MAX_DURATION_S:
+        raise JoulesError(f"{name} must be at most {MAX_DURATION_S:,.0f} s, got {value:g}")
 
 
 def use_sim(sim: str | None) -> None:

@@ -66,7 +66,7 @@ def render(devices: DeviceSet, console: Console) -> None:
         console.print("[bold]problems:[/bold]")
         for p in devices.problems:
             fix = f"\n    fix: {p.fix}" if p.fix else ""
-            console.print(f"  - {p.device}: {p.message}{fix}", highlight=False)
+            console.print(f"  - {p.device}: {p.message}{fix}", highlight=False, markup=False)
     else:
         console.print("problems: none")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from joules.cli import SIM_HELP, parse_indices, use_sim
 from joules.errors import JoulesError
@@ -41,7 +44,7 @@ def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict
 
 def measurement_table(m: Measurement, title: str) -> Table:
     """A table of time, energy and average power per device."""
-    t = Table(title=title)
+    t = Table(title=Text(title))  # plain text: a command's ``[...]`` is not markup
     for col, justify in (("device", "left"), ("energy (J)", "right"), ("± (J)", "right"),
                          ("avg power (W)", "right"), ("source", "left")):
         t.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -57,18 +60,32 @@ def measurement_table(m: Measurement, title: str) -> Table:
     return t
 
 
-def check_timeline_path(path: str | None) -> None:
-    """Fail before anything runs when a ``--timeline`` path cannot be written as asked."""
+def check_output_path(option: str, path: str | None, *, make_dirs: bool = False) -> None:
+    """Fail before anything runs when an output file (``.csv`` or ``.jsonl``) cannot be written.
+
+    Args:
+        option: The option's name, for the message.
+        path: The file asked for, or ``None``.
+        make_dirs: Whether missing directories will be made (``--log``); else they must exist.
+    """
     if path is None:
         return
     p = Path(path)
     if p.suffix not in (".csv", ".jsonl") or p.stem == "":
-        raise JoulesError(f"--timeline needs a .csv or .jsonl file name, got {path!r}")
+        raise JoulesError(f"{option} needs a .csv or .jsonl file name, got {path!r}")
     parent = p.parent
+    if make_dirs:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
     if not parent.is_dir():
-        raise JoulesError(f"--timeline {path!r}: directory {str(parent)!r} does not exist")
+        raise JoulesError(f"{option} {path!r}: directory {str(parent)!r} does not exist")
     if p.is_dir() or not os.access(p if p.exists() else parent, os.W_OK):
-        raise JoulesError(f"--timeline {path!r} cannot be written")
+        raise JoulesError(f"{option} {path!r} cannot be written")
+
+
+def check_timeline_path(path: str | None) -> None:
+    """Fail before anything runs when a ``--timeline`` path cannot be written as asked."""
+    check_output_path("--timeline", path)
 
 
 def export_timeline(monitor: EnergyMonitor, path: str | None) -> None:
@@ -101,13 +118,23 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
     """
     monitor.begin_window("command")
     try:
-        proc = subprocess.Popen(command)
+        try:
+            proc = subprocess.Popen(command)
+        except OSError as e:
+            if e.errno != errno.ENOEXEC:
+                raise
+            # A script without a ``#!`` line: run it with /bin/sh, as execvp and shells do.
+            path = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
+            proc = subprocess.Popen(["/bin/sh", path, *command[1:]])
     except FileNotFoundError:
         monitor.cancel_window("command")
         raise CommandNotRunError(f"command not found: {command[0]}", 127) from None
     except PermissionError:
         monitor.cancel_window("command")
         raise CommandNotRunError(f"command not executable: {command[0]}", 126) from None
+    except BaseException:
+        monitor.cancel_window("command")
+        raise
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
@@ -151,6 +178,7 @@ def register(app: typer.Typer) -> None:
         if not command:
             raise JoulesError("no command given (usage: joules measure [OPTIONS] -- CMD [ARGS...])")
         check_timeline_path(timeline)
+        check_output_path("--log", log, make_dirs=True)
         monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
         warn_if_nothing_measured(monitor)
         try:
@@ -163,4 +191,10 @@ def register(app: typer.Typer) -> None:
             Console(stderr=True).print(measurement_table(m, shlex.join(command)))
         sys.stdout.flush()
         export_timeline(monitor, timeline)
+        if code == 128 + signal.SIGINT:
+            # The command died of Ctrl-C: so does joules, once the report is out, so that a
+            # shell loop around it stops too (a shell goes on when a command exits 130).
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         return code

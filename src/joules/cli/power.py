@@ -97,7 +97,8 @@ def register(app: typer.Typer) -> None:
             out.update(cpu_power.poll())
             return out
 
-        live_view = not as_json and console.is_terminal  # Live only redraws on a terminal
+        # Live only redraws on a terminal that can move the cursor (not TERM=dumb).
+        live_view = not as_json and console.is_terminal and not console.is_dumb_terminal
         previous_term = signal.signal(signal.SIGTERM, _interrupt)
         try:
             view = Live(console=console, auto_refresh=False) if live_view else nullcontext()

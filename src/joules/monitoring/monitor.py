@@ -354,7 +354,11 @@ class EnergyMonitor:
         m = self._measure(begin, end)
         self.last[m.name] = m
         if self._log is not None:
-            self._log.write(m)
+            try:
+                self._log.write(m)
+            except OSError as e:  # a full disk or a removed folder must not lose the measurement
+                warnings.warn(f"window {m.name!r} not written to the window log: {e}", RuntimeWarning,
+                              stacklevel=3)
         return m
 
     def cancel_window(self, name: str) -> None:
