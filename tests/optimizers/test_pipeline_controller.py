@@ -230,6 +230,13 @@ def test_strict_order(sim: Simulator, tmp_path: Path) -> None:
         with pytest.raises(PlanMismatchError, match="plan's next computation is forward 1"):
             ctl.on_instruction_begin("backward", 0)
         assert sim.gpus[0].sm_clock_locked() == (1410.0, 1410.0)
+        ctl.on_instruction_begin("forward", 1)
+        with pytest.raises(PlanMismatchError, match="forward 1 was still running .no on_instruction_end"):
+            ctl.on_instruction_begin("backward", 0)  # forward 1's end never came
+    with FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path) as ctl:  # not strict: counted
+        ctl.on_instruction_begin("forward", 0)
+        ctl.on_instruction_begin("forward", 1)
+        assert ctl.stats.out_of_order == 1
 
 
 def test_set_plan_switches_at_the_next_instruction(sim: Simulator, tmp_path: Path) -> None:

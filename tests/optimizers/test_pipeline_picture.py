@@ -81,6 +81,8 @@ def test_ramp_runs_from_dark_purple_to_yellow_and_frequency_maps_onto_it() -> No
 
 def test_nice_ticks() -> None:
     assert nice_ticks(100.0, target=5) == [0, 20, 40, 60, 80, 100]
+    tiny = nice_ticks(4e-297)  # returned at once (an absolute tolerance once made this loop ~forever)
+    assert 3 <= len(tiny) <= 34 and tiny[0] == 0 and tiny[-1] <= 4e-297 * (1 + 1e-6)
     assert nice_ticks(1322.6) == [0, 200, 400, 600, 800, 1000, 1200]
     assert nice_ticks(1410, target=5, low=900) == [1000, 1200, 1400]
     assert nice_ticks(1410, target=10, low=900) == [900, 1000, 1100, 1200, 1300, 1400]

@@ -170,6 +170,23 @@ def test_an_exception_in_training_resets_the_clock(rig) -> None:
     assert mon.open_windows == []
 
 
+def test_the_clock_is_reset_even_when_the_monitor_was_closed_first(rig) -> None:
+    sim, mon, guard = rig
+    gpu = sim.gpus[0]
+    # Training crashes mid-computation, and a ``finally`` closed the monitor before the profiler.
+    with pytest.raises(RuntimeError, match="crashed"):
+        with StageProfiler(mon, stage=0, gpu=0, frequencies=[1200], guard=guard) as prof:
+            prof.on_instruction_begin("forward", 0)
+            mon.close()
+            raise RuntimeError("training crashed")
+    assert gpu.sm_clock_locked() is None
+    # A monitor that refuses the window right after the clock was locked.
+    with pytest.raises(Exception, match="the monitor is closed"):
+        with StageProfiler(mon, stage=0, gpu=0, frequencies=[1200], guard=guard) as prof:
+            prof.on_instruction_begin("forward", 0)
+    assert gpu.sm_clock_locked() is None
+
+
 def test_dry_run_never_locks_and_has_no_profile(rig) -> None:
     sim, mon, _ = rig
     gpu = sim.gpus[0]

@@ -102,6 +102,9 @@ def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
         ("stage,instruction,frequency,time,energy\n", "no rows"),
         ("stage,instruction,frequency,time,energy\n0,forward,inf,1,1\n", "frequency 'inf' is not a finite"),
         ("stage,instruction,frequency,time,energy\n0,forward,1e400,1,1\n", "frequency '1e400' is not"),
+        ("stage,instruction,frequency,time,time\n0,forward,1,2,3\n", "header names 'time' more than once"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,1," + "9" * 200_000 + "\n",
+         "line 2: field larger than field limit"),
     ],
 )
 def test_profile_errors_name_the_line_and_field(tmp_path, text, message) -> None:

@@ -249,3 +249,18 @@ def test_unit_time_must_be_a_finite_number_of_at_least_a_microsecond(method: str
         solve(dag, profile, 0.0, unit, method=method)
     with pytest.raises(ValueError, match="unit time must be a finite number of seconds, at least 1e-06"):
         Problem.build(dag, profile, blocking_power_w=0.0, unit_time_s=unit)
+
+
+def test_auto_does_not_solve_exactly_a_problem_the_unit_has_coarsened() -> None:
+    """Sub-millisecond computations at a 1 ms unit all round to 0: the exact method would see one
+    option each and save nothing; "auto" then takes the fast method, which keeps every option."""
+    from joules.optimizers.pipeline.profile import synthetic_profile
+
+    prof = synthetic_profile(4, "a100", forward_time_s=0.0005)
+    dag = build_dag("1f1b", 4, 8)
+    coarse = solve(dag, prof, 85.0, 0.001, method="exact")
+    assert coarse.fastest.energy_j == pytest.approx(coarse.max_frequency.energy_j)  # nothing saved
+    auto = solve(dag, prof, 85.0, 0.001)
+    assert auto.meta["method"] == "fast"
+    assert auto.fastest.energy_j < 0.9 * auto.max_frequency.energy_j
+    assert auto.fastest.time_s == pytest.approx(auto.max_frequency.time_s)

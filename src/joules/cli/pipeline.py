@@ -94,6 +94,11 @@ def plan(
     if prof.stages > stages:
         print(f"joules: warning: {prof.name} has {prof.stages} stages; planning for the first {stages}",
               file=sys.stderr)
+    shortest = min(o.time_s for opts in prof.options.values() for o in opts)
+    if unit_time > shortest:
+        print(f"joules: warning: --unit-time {unit_time:g} s is longer than the shortest profiled "
+              f"computation ({shortest:.3g} s), so the frontier is coarse; a smaller unit gives "
+              f"more plans", file=sys.stderr)
     dag = build_dag(name, stages, microbatches)
     if method not in METHODS:
         raise JoulesError(f"bad --method {method!r} (expected {', '.join(METHODS)})")

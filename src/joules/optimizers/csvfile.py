@@ -13,11 +13,20 @@ def csv_rows(path: Path, error: type[Exception]) -> Iterator[csv.DictReader[str]
     """A ``csv.DictReader`` of the UTF-8 file ``path`` (a byte-order mark is skipped).
 
     Raises:
-        error: The file is not UTF-8 text (the message names the file and the byte).
+        error: The file is not UTF-8 text (the message names the file and the byte), is not
+            CSV as the reader takes it (a field over the size limit, say), or names a column
+            twice in its header.
     """
     # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
     with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
         try:
-            yield csv.DictReader(f)
+            names = reader.fieldnames or []
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise error(f"{path}: the header names {', '.join(map(repr, twice))} more than once")
+            yield reader
         except UnicodeDecodeError as e:
             raise error(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})") from None
+        except csv.Error as e:
+            raise error(f"{path}, line {reader.line_num + 1}: {e}") from None  # the line being read

@@ -142,7 +142,7 @@ def parse_instructions(instructions: Sequence[Mapping[str, object] | Instruction
                 if isinstance(freq, bool) or not isinstance(freq, int | float | str):
                     raise TypeError(f"frequency {freq!r}")
                 ins = Instruction(kind, int(mb), int(float(freq)))
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise PlanError(f"instruction {i} ({raw!r}) is malformed: {type(e).__name__}: {e}") from None
         if ins.microbatch < 0 or ins.frequency <= 0:
             raise PlanError(f"instruction {i} ({ins}) needs a microbatch >= 0 and a positive frequency")
@@ -455,6 +455,13 @@ class FrequencyController:
         self._raise_pending()
         kind = normalize_kind(computation)
         i = self._lookup(kind, microbatch)
+        if self._running is not None:  # the previous computation's end was never reported
+            if self.strict:
+                raise PlanMismatchError(
+                    f"GPU {self.gpu.index}: {kind} {microbatch} began while {self._running[0]} "
+                    f"{self._running[1]} was still running (no on_instruction_end for it)"
+                )
+            self.stats.out_of_order += 1
         expected = self._next % len(self._plan)
         if i != expected:
             if self.strict:

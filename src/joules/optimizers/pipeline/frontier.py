@@ -248,7 +248,7 @@ class Frontier:
                 profile_name=str(data.get("profile", "")),
                 meta=dict(data.get("meta") or {}),  # type: ignore[call-overload]
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             if isinstance(e, PlanError):
                 raise
             raise PlanError(f"malformed frontier: {type(e).__name__}: {e}") from None

@@ -139,8 +139,8 @@ def nice_ticks(high: float, target: int = 8, low: float = 0.0) -> list[float]:
     first = math.ceil(low / step - 1e-9)
     ticks = []
     k = first
-    while k * step <= high * (1 + 1e-9) + 1e-12:
-        ticks.append(round(k * step, 10))
+    while k * step <= high + step * 1e-9 and len(ticks) <= 4 * target + 2:
+        ticks.append(round(k * step, 10) if step >= 1e-9 else k * step)
         k += 1
     return ticks
 

@@ -34,6 +34,7 @@ Each rank writes its own rows (:meth:`StageProfiler.to_csv`); ``joules pipeline 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ import numpy as np
 
 from joules.devices.base import GPU
 from joules.devices.restore import RestoreGuard
-from joules.errors import JoulesError
+from joules.errors import JoulesError, WindowError
 from joules.optimizers.pipeline.controller import clock_guard, lock_clock, normalize_kind, snap_frequency
 from joules.optimizers.pipeline.profile import PipelineProfile
 from joules.optimizers.pipeline.schedule import KINDS, Kind
@@ -271,8 +272,8 @@ class StageProfiler:
             self._segments.append((m.start_time, m.start_time + m.elapsed_s, 2))
         if self._locked != mhz:
             self._lock(mhz)
-        self._running = (kind, int(microbatch))
         self.monitor.begin_window(self._window)
+        self._running = (kind, int(microbatch))
         return mhz
 
     def on_instruction_end(self, computation: str, microbatch: int) -> None:
@@ -401,14 +402,18 @@ class StageProfiler:
         Returns:
             The guard's error lines (empty when everything was restored, and in a dry run).
         """
-        for name, is_open in ((self._window, self._running is not None), (self._gap, self._gap_open)):
-            if is_open:
-                self.monitor.cancel_window(name)
-        self._running = None
-        self._gap_open = False
-        self._locked = None
-        self._segments = []
-        return [] if self.guard is None else self.guard.restore()
+        try:
+            for name, is_open in ((self._window, self._running is not None), (self._gap, self._gap_open)):
+                if is_open:
+                    with contextlib.suppress(WindowError):  # e.g. the monitor was closed first
+                        self.monitor.cancel_window(name)
+        finally:
+            self._running = None
+            self._gap_open = False
+            self._locked = None
+            self._segments = []
+            errors = [] if self.guard is None else self.guard.restore()
+        return errors
 
     def close(self) -> list[str]:
         """Stop profiling for good (the callbacks then do nothing) and reset the clock.

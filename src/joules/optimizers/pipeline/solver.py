@@ -35,7 +35,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
     3. The frontier is the lower envelope of these plans, evaluated with real times.
 
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
-``"fast"`` otherwise. Plans are reported with their real (unrounded) times and energies.
+rounding times to the unit merges no options, and ``"fast"`` otherwise. Plans are reported
+with their real (unrounded) times and energies.
 """
 
 from __future__ import annotations
@@ -693,7 +694,11 @@ def solve(
     meta: dict[str, object] = {}
     if method in ("auto", "exact"):
         p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
-        if method == "exact" or p.combinations() <= EXACT_AUTO_LIMIT:
+        # "auto" solves exactly only where rounding to the unit keeps every option apart: a unit
+        # longer than the steps between options would plan on a coarser problem than the profile.
+        if method == "exact" or (p.combinations() <= EXACT_AUTO_LIMIT
+                                 and p.combinations() == Problem.build(dag, profile, blocking_power_w,
+                                                                       FINE_UNIT_S).combinations()):
             method = "exact"
             plans = [p.plan(c) for _, _, c in exact_points(p)]
         else:
