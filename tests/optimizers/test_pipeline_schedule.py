@@ -103,6 +103,8 @@ def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
         ("stage,instruction,frequency,time,energy\n0,forward,inf,1,1\n", "frequency 'inf' is not a finite"),
         ("stage,instruction,frequency,time,energy\n0,forward,1e400,1,1\n", "frequency '1e400' is not"),
         ("stage,instruction,frequency,time,time\n0,forward,1,2,3\n", "header names 'time' more than once"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,1,1e308\n", "energy '1e308' is beyond 1e"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,1e300,1\n", "time '1e300' is beyond 86400"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1," + "9" * 200_000 + "\n",
          "line 2: field larger than field limit"),
     ],

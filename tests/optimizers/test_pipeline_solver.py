@@ -202,6 +202,12 @@ def test_frontier_round_trips_through_json(tmp_path) -> None:
     ]
     with pytest.raises(PlanError, match="1 frequencies for 12 computations"):
         frontier.rank_plan(Plan((1410,), 1.0, 1.0), 0)
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    # Planned again into the same folder for fewer stages: no rank file of the old plan is left.
+    (tmp_path / "rank2.json").write_text("{}")
+    (tmp_path / "ranking.json").write_text("{}")  # not a rank file: kept
+    solve(build_dag("gpipe", 1, 3), random_profile(1, 2, 9), 20.0, UNIT).save(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "ranking.json"]
 
 
 @pytest.mark.parametrize(("change", "message"), [

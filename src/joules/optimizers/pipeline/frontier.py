@@ -256,6 +256,9 @@ class Frontier:
     def save(self, directory: str | Path) -> Path:
         """Write ``frontier.json`` and, for the fastest plan, ``rank{stage}.json`` per stage.
 
+        Rank files of an earlier plan with more stages are removed, so that none is left that
+        belongs to another pipeline.
+
         Returns:
             The path of ``frontier.json``.
         """
@@ -263,6 +266,10 @@ class Frontier:
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "frontier.json"
         path.write_text(json.dumps(self.to_dict()))
+        for old in directory.glob("rank*.json"):
+            tail = old.stem[len("rank"):]
+            if tail.isdigit() and int(tail) >= self.dag.stages:
+                old.unlink()
         for stage in range(self.dag.stages):
             (directory / f"rank{stage}.json").write_text(
                 json.dumps({"stage": stage, "time_s": self.fastest.time_s,

@@ -215,8 +215,14 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
             raise bad(field, "is not a number") from None
         if not math.isfinite(v) or v <= 0:
             raise bad(field, "must be a positive finite number")
+        if v > _MAX_VALUE[field]:
+            raise bad(field, f"is beyond {_MAX_VALUE[field]:g} (seconds and joules are expected)")
         values.append(v)
     return stage, instruction, frequency, values[0], values[1]
+
+
+# Far above any one computation (a day; a petajoule), low enough that sums stay finite.
+_MAX_VALUE = {"time": 86_400.0, "energy": 1e15}
 
 
 # -- synthetic profiles --------------------------------------------------------------------
