@@ -401,3 +401,16 @@ def test_measure_log_that_cannot_be_written_fails_before_the_command_runs(tmp_pa
 def test_power_huge_interval_is_a_clear_error() -> None:
     r = joules("power", "--sim", "A100", "--interval", "1e10")
     assert r.returncode == 2 and r.stderr.startswith("joules: error: --interval must be at most")
+
+
+def test_power_on_a_dumb_terminal_prints_one_line_per_reading(tmp_path: Path) -> None:
+    """TERM=dumb cannot redraw a live table, which would show nothing until the end."""
+    import os
+
+    _, env = sim_child_env(tmp_path)
+    env = {**env, "TERM": "dumb", "TTY_COMPATIBLE": "1"}  # a terminal, but a dumb one
+    r = subprocess.run([JOULES, "power", "--sim", "A100", "--interval", "0.2", "--duration", "0.9"],
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    readings = [line for line in r.stdout.splitlines() if re.fullmatch(r"\d+\.\d s: gpu0 55\.0 W.*", line)]
+    assert len(readings) >= 3, r.stdout

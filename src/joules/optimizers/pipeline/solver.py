@@ -692,19 +692,21 @@ def solve(
     _check_unit_time(unit_time_s)
     t0 = time.perf_counter()
     meta: dict[str, object] = {}
+    fine: Problem | None = None
     if method in ("auto", "exact"):
         p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
-        # "auto" solves exactly only where rounding to the unit keeps every option apart: a unit
-        # longer than the steps between options would plan on a coarser problem than the profile.
-        if method == "exact" or (p.combinations() <= EXACT_AUTO_LIMIT
-                                 and p.combinations() == Problem.build(dag, profile, blocking_power_w,
-                                                                       FINE_UNIT_S).combinations()):
-            method = "exact"
+        if method == "auto" and p.combinations() <= EXACT_AUTO_LIMIT:
+            # Exact only where rounding to the unit keeps every option apart: a unit longer than
+            # the steps between options would plan on a coarser problem than the profile.
+            fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
+            method = "exact" if p.combinations() == fine.combinations() else "fast"
+        if method == "exact":
             plans = [p.plan(c) for _, _, c in exact_points(p)]
         else:
             method = "fast"
     if method == "fast":
-        fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
+        if fine is None:
+            fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
         grid = max(1, round(unit_time_s / FINE_UNIT_S))
         plans, info = _fast(fine, grid, max(1, grid // PLANS_PER_UNIT))
         meta.update(info)
