@@ -158,6 +158,54 @@ def test_multi_die_packages_give_one_cpu_per_die(tmp_path: Path) -> None:
     assert deltas == [(0.0, 0.0), (5.5, 0.0), (0.0, 2.25), (0.0, 0.0)]
 
 
+def test_zone_numbers_are_hexadecimal_past_nine(tmp_path: Path) -> None:
+    # powercap_sys.c names zones "%s:%x": the eleventh package zone is intel-rapl:a.
+    fake = FakePowercap(tmp_path, packages=12, dram=True)
+    assert (fake.root / "intel-rapl:a").is_dir() and (fake.root / "intel-rapl:b:2").exists()
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert [c.package_id for c in cpus] == list(range(12))
+    assert cpus[10].package.path.name == "intel-rapl:a" and cpus[10].dram is not None
+    before = cpus[11].dram_energy_j()
+    fake.add_energy(11, "dram", 1.5)
+    assert cpus[11].dram_energy_j() - before == pytest.approx(1.5, abs=1e-6)
+
+
+def mirror_package_counter(fake: FakePowercap, package: int, joules: float) -> None:
+    """What AMD kernels with die zones show: every die zone reads the package's one counter."""
+    for die in range(fake.dies):
+        fake.add_energy(fake.zone_number(package, die), "package", joules)
+
+
+def test_amd_die_zones_are_one_package_counter(tmp_path: Path) -> None:
+    # AMD RAPL has package scope; kernels with the 0x80000026 topology made one zone per CCD,
+    # all reading the socket's counter. Adding them up would count the socket 8 times.
+    fake = FakePowercap(tmp_path, packages=2, dies=8, dram=False, vendor_id="AuthenticAMD",
+                        model_name="AMD EPYC 9654 96-Core Processor")
+    cpus, problems = discover(fake)
+    assert problems == []
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, None), (1, None)]
+    assert [c.package.path.name for c in cpus] == ["intel-rapl:0", "intel-rapl:8"]
+    before = [c.package_energy_j() for c in cpus]
+    mirror_package_counter(fake, 0, 40.0)
+    mirror_package_counter(fake, 1, 25.0)
+    after = [c.package_energy_j() for c in cpus]
+    assert [round(a - b, 6) for a, b in zip(after, before, strict=True)] == [40.0, 25.0]
+
+
+def test_die_zones_reading_one_counter_without_cpuinfo(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=2, dies=2, dram=False)
+    mirror_package_counter(fake, 0, 3.0)  # package 0's dies read one counter; package 1's do not
+    fake.add_energy(fake.zone_number(1, 0), "package", 1.0)
+    fake.add_energy(fake.zone_number(1, 1), "package", 2.0)
+    cpus, problems = discover_rapl(fake.root, cpuinfo=None)
+    assert problems == []
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, None), (1, 0), (1, 1)]
+    # with the vendor known to be Intel, die zones are dies whatever they read
+    cpus, _ = discover(fake)
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 def test_multi_die_counters_wrap_per_die(tmp_path: Path) -> None:
     fake = FakePowercap(tmp_path, packages=2, dies=2, max_energy_range_uj=1_000_000)
     cpus, _ = discover(fake)

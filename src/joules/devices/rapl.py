@@ -14,8 +14,15 @@ The kernel exposes Intel (and, since Linux 5.8, AMD Zen) RAPL counters under
 
 On processors with several dies per package (Cascade Lake-AP, some AMD Zen kernels) the
 kernel makes one zone per die, named ``package-P-die-D`` (``intel-rapl:N`` numbered by die
-across the machine), each with its own subzones. Each die zone is one :class:`RaplCPU`, with
-its own DRAM subzone; :attr:`RaplCPU.package_id` and :attr:`RaplCPU.die_id` say which.
+across the machine, in hexadecimal from the eleventh zone on: ``intel-rapl:a``), each with its
+own subzones. On Intel each die zone has its own counter and is one :class:`RaplCPU`, with its
+own DRAM subzone; :attr:`RaplCPU.package_id` and :attr:`RaplCPU.die_id` say which. On AMD and
+Hygon the RAPL counters have package scope: kernels that make die zones there (those with the
+CPUID 0x80000026 topology, before the fix that went back to package zones) show the same
+package counter in every die zone of a package, so one zone per package is kept and the
+package is one :class:`RaplCPU` (adding the die zones up would count it once per die). Without
+``/proc/cpuinfo``, die zones of a package that all read the same non-zero counter are taken
+as one such package.
 
 Subzones also appear at the top level (``intel-rapl:0:2``); either place is searched.
 Zones named ``amd-rapl:N`` are read the same way, and ``intel-rapl-mmio:N`` zones are used
@@ -71,7 +78,8 @@ NO_RAPL_FIX = (
     "virtual machines and some containers do not expose RAPL at all"
 )
 
-_ZONE_DIR = re.compile(r"^(intel-rapl|amd-rapl|intel-rapl-mmio):(\d+)(?::(\d+))?$")
+# The kernel numbers zones in hexadecimal (powercap_sys.c: "%s:%x"): intel-rapl:9, intel-rapl:a, ...
+_ZONE_DIR = re.compile(r"^(intel-rapl|amd-rapl|intel-rapl-mmio):([0-9a-f]+)(?::([0-9a-f]+))?$")
 _PACKAGE_NAME = re.compile(r"^package-(\d+)(?:-die-(\d+))?$")
 _READ_SIZE = 64
 
@@ -387,6 +395,30 @@ def _zone_dirs(root: Path) -> list[Path]:
     return list(found.values())
 
 
+def _package_scope(chosen: dict[tuple[int, int], tuple[str, Path]],
+                   vendor: str) -> dict[tuple[int, int], tuple[str, Path]]:
+    """One zone per package where the die zones show one package counter.
+
+    That is every multi-die package on AMD and Hygon (package-scope RAPL); with the vendor
+    unknown, a package whose die zones all read the same non-zero ``energy_uj``. The first
+    die's zone then stands for the package (as a whole-package zone, die ``-1``).
+    """
+    dies: dict[int, list[tuple[int, tuple[str, Path]]]] = {}
+    for (package_id, die), zone in sorted(chosen.items()):
+        dies.setdefault(package_id, []).append((die, zone))
+    out: dict[tuple[int, int], tuple[str, Path]] = {}
+    for package_id, zones in dies.items():
+        shared = len(zones) > 1 and zones[0][0] >= 0
+        if shared and vendor != "amd":
+            readings = {_read_int(path / "energy_uj") for _, (_, path) in zones}
+            shared = vendor == "unknown" and len(readings) == 1 and None not in readings and 0 not in readings
+        if shared:
+            out[(package_id, -1)] = zones[0][1]
+        else:
+            out.update(((package_id, die), zone) for die, zone in zones)
+    return out
+
+
 def discover_rapl(
     root: str | Path = DEFAULT_ROOT,
     *,
@@ -438,6 +470,7 @@ def discover_rapl(
         return [], [Problem("CPU", f"{NO_RAPL_MESSAGE}; {root} has no package zones", NO_RAPL_FIX)]
 
     model, vendor = _cpu_identity(cpuinfo)
+    chosen = _package_scope(chosen, "amd" if vendor == "unknown" and "amd-rapl" in packages else vendor)
     cpus: list[CPU] = []
     problems: list[Problem] = []
     psys: RaplZone | None = None

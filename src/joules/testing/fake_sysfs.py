@@ -87,18 +87,18 @@ class FakePowercap:
         for n in range(packages * dies):
             p, d = divmod(n, dies)
             zone_name = f"package-{p}-die-{d}" if dies > 1 else f"package-{p}"
-            pkg = self.root / f"{prefix}:{n}"
+            pkg = self.root / f"{prefix}:{n:x}"  # the kernel numbers zones in hexadecimal
             self._zone(pkg, (n, "package"), zone_name, max_energy_range_uj, max_power_uw)
             names = (["core", "uncore"] if core else []) + (["dram"] if dram else [])
             for name in names:
-                sub = pkg / f"{prefix}:{n}:{_SUBZONES[name]}"
+                sub = pkg / f"{prefix}:{n:x}:{_SUBZONES[name]:x}"
                 wrap = dram_max_energy_range_uj if name == "dram" and dram_max_energy_range_uj else (
                     max_energy_range_uj
                 )
                 self._zone(sub, (n, name), name, wrap, None)
                 (self.root / sub.name).symlink_to(sub, target_is_directory=True)
         if psys:
-            self._zone(self.root / f"{prefix}:{packages * dies}", (-1, "psys"), "psys",
+            self._zone(self.root / f"{prefix}:{packages * dies:x}", (-1, "psys"), "psys",
                        max_energy_range_uj, None)
         self.cpuinfo_path = Path(root) / "cpuinfo"
         lines = []
