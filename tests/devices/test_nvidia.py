@@ -314,6 +314,27 @@ def test_clocks(sim, nvml):
     assert 28.0 <= a100.temperature_c() <= 70.0
 
 
+def test_clock_locks_need_volta_and_memory_locks_ampere(sim, nvml):
+    # NVML: SM locks "for Volta or newer", memory locks "for Ampere or newer" (NOT_SUPPORTED before).
+    gpus, _ = gpus_of()
+    with pytest.raises(NotSupportedError):
+        gpus[P100].lock_sm_clock(900, 1000)
+    with pytest.raises(NotSupportedError):
+        gpus[V100].lock_memory_clock(877, 877)
+    gpus[V100].lock_sm_clock(900, 1005)
+    assert sim.gpus[V100].sm_clock_locked() == (900.0, 1005.0)
+    gpus[V100].reset_sm_clock()
+
+
+def test_fake_structures_read_strings_as_nvidia_ml_py_does(nvml):
+    nvml.nvmlInit()
+    pci = nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(0))
+    assert isinstance(pci.busId, str) and pci.busId.startswith("0000")
+    pci.busId = "00000000:07:00.0"
+    assert pci.busId == "00000000:07:00.0"
+    nvml.nvmlShutdown()
+
+
 def test_cuda_visible_devices_integers(sim, nvml):
     gpus, problems = gpus_of({"CUDA_VISIBLE_DEVICES": "2,0"})
     assert [(g.index, g.physical_index, g.name) for g in gpus] == [

@@ -62,12 +62,12 @@ _ARCH_TIMING: dict[str, tuple[float | None, float | None]] = {
 }
 _ARCH_NAMES = {
     2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere", 8: "ada",
-    9: "hopper", 10: "blackwell",
+    9: "hopper", 10: "blackwell", 13: "rubin",
 }
 _PRE_VOLTA = ("kepler", "maxwell", "pascal")
 # Where nvmlDeviceGetPowerUsage is a 1 s average: Ampere and newer, except GA100 (compute
 # capability 8.0: A100, A30, A800), whose reading is instantaneous as on older GPUs.
-_AVERAGING_ARCHS = ("ampere", "ada", "hopper", "blackwell")
+_AVERAGING_ARCHS = ("ampere", "ada", "hopper", "blackwell", "rubin")
 _GA100_NAME = re.compile(r"\bA(100|30|800)\b")
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 

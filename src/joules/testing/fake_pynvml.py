@@ -341,6 +341,15 @@ class c_nvmlValue_t(ctypes.Union):
 
 
 class _Printable(ctypes.Structure):
+    """Like nvidia-ml-py's structures: ``char`` array fields read as ``str`` and take ``str``."""
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value.encode() if isinstance(value, str) else value)
+
     def __str__(self) -> str:
         parts = ", ".join(f"{name}: {getattr(self, name)}" for name, *_ in self._fields_)
         return f"{type(self).__name__}({parts})"

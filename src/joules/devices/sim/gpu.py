@@ -311,6 +311,8 @@ class SimGPU(GPU):
 
     def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
         m = self.model
+        if m.arch == "pascal":  # NVML: "For Volta or newer fully supported devices"
+            raise NotSupportedError(f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)")
         if not (m.min_sm_mhz <= min_mhz <= max_mhz <= m.max_sm_mhz):
             raise ValueError(
                 f"GPU {self.index} ({self.name}): SM clock range [{min_mhz:g}, {max_mhz:g}] "
@@ -323,17 +325,27 @@ class SimGPU(GPU):
             self._changed()
 
     def reset_sm_clock(self) -> None:
+        if self.model.arch == "pascal":
+            raise NotSupportedError(f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)")
         self._check_control("SM clocks")
         with self._lock:
             self._sm_lock = None
             self._new_epoch(sm_cap_mhz=self.model.max_sm_mhz)
             self._changed()
 
+    def _check_memory_lock(self) -> None:
+        if self.model.arch in ("pascal", "volta"):  # NVML: "For Ampere or newer fully supported devices"
+            raise NotSupportedError(
+                f"GPU {self.index} ({self.name}) cannot lock memory clocks (needs Ampere or newer)"
+            )
+
     def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
+        self._check_memory_lock()
         self._check_control("memory clocks")
         self._mem_lock = (float(min_mhz), float(max_mhz))
 
     def reset_memory_clock(self) -> None:
+        self._check_memory_lock()
         self._check_control("memory clocks")
         self._mem_lock = None
 
