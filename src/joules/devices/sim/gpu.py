@@ -309,10 +309,15 @@ class SimGPU(GPU):
         n = int((m.max_sm_mhz - m.min_sm_mhz) // m.sm_step_mhz)
         return [m.max_sm_mhz - i * m.sm_step_mhz for i in range(n + 1)]
 
+    def _check_sm_lock(self) -> None:
+        if self.model.arch == "pascal":  # NVML: "For Volta or newer fully supported devices"
+            raise NotSupportedError(
+                f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)"
+            )
+
     def lock_sm_clock(self, min_mhz: float, max_mhz: float) -> None:
         m = self.model
-        if m.arch == "pascal":  # NVML: "For Volta or newer fully supported devices"
-            raise NotSupportedError(f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)")
+        self._check_sm_lock()
         if not (m.min_sm_mhz <= min_mhz <= max_mhz <= m.max_sm_mhz):
             raise ValueError(
                 f"GPU {self.index} ({self.name}): SM clock range [{min_mhz:g}, {max_mhz:g}] "
@@ -325,8 +330,7 @@ class SimGPU(GPU):
             self._changed()
 
     def reset_sm_clock(self) -> None:
-        if self.model.arch == "pascal":
-            raise NotSupportedError(f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)")
+        self._check_sm_lock()
         self._check_control("SM clocks")
         with self._lock:
             self._sm_lock = None
