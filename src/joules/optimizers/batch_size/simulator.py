@@ -186,8 +186,8 @@ def simulate(
         progress: Called with (recurrences done, recurrences) after each recurrence.
         factory: Makes the policy from its configuration (e.g. a tuned subclass, for ablations).
         stop_before: Stop a trial before the epoch that would take it over the stop cost (as
-            the NSDI'23 simulator does); ``False``: after the first epoch that did (as a
-            server that judges each epoch report by the cost so far does).
+            the NSDI'23 simulator and ``joules serve`` do); ``False``: after the first epoch
+            that did.
 
     Raises:
         SimulationError: A recurrence failed 20 trials, or the default never reaches the target.
