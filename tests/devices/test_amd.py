@@ -351,6 +351,26 @@ def test_visible_devices_prefers_the_hip_uuid_of_enumeration_info() -> None:
     assert visible_devices(4, _UUIDS, {"ROCR_VISIBLE_DEVICES": "GPU-2a17e,GPU-1f"}, ids)[0] == [1, 0]
 
 
+def test_gpus_are_numbered_in_hips_order_where_amdsmi_reports_it() -> None:
+    # HIP numbers GPUs by KFD node (amdsmi's hip_id), which need not be amdsmi's handle order.
+    clock = VirtualClock()
+    gpus = [SimGPU(MI300X, clock, index=0), SimGPU(MI250X, clock, index=1), SimGPU(MI300X, clock, index=2)]
+    with installed(gpus, enumeration_info=True) as smi:
+        for h, hip in zip(smi.handles, (2, 0, 1), strict=True):
+            h.hip_id = hip
+        found, problems = discover_amd({}, clock=clock, counter_check_s=None)
+        assert problems == []
+        assert [(g.index, g.physical_index) for g in found] == [(0, 1), (1, 2), (2, 0)]
+        assert found[0].name == "AMD Instinct MI250X"
+        found, _ = discover_amd({"HIP_VISIBLE_DEVICES": "0"}, clock=clock, counter_check_s=None)
+        assert [g.physical_index for g in found] == [1]  # HIP device 0
+        found, _ = discover_amd({"ROCR_VISIBLE_DEVICES": "2,0"}, clock=clock, counter_check_s=None)
+        assert [g.physical_index for g in found] == [0, 1]
+        smi.handles[2].hip_id = 0  # repeated ids are not an order: amdsmi's is kept
+        found, _ = discover_amd({}, clock=clock, counter_check_s=None)
+        assert [g.physical_index for g in found] == [0, 1, 2]
+
+
 def test_enumeration_info_that_fails_is_not_needed(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = VirtualClock()
     with installed(sims(clock, 2), enumeration_info=True) as smi:

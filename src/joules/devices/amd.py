@@ -80,7 +80,8 @@ class AMDGPU(GPU):
     Args:
         smi: The ``amdsmi`` module (already initialized with ``amdsmi_init``).
         handle: The processor handle from ``amdsmi_get_processor_handles``.
-        index: Index among the GPUs visible to this process (what HIP calls device N).
+        index: Index among the GPUs visible to this process (what HIP calls device N; HIP's
+            order, which :func:`discover_amd` takes from amdsmi's ``hip_id`` where reported).
         physical_index: Position in ``amdsmi_get_processor_handles`` (default: ``index``).
         clock: Clock for the energy-counter check (a virtual clock in tests).
         counter_check_s: Interval of the energy-counter check done at construction;
@@ -465,6 +466,7 @@ def visible_devices(
     uuids: Sequence[str],
     env: Mapping[str, str],
     unique_ids: Sequence[str | None] | None = None,
+    runtime_order: Sequence[int] | None = None,
 ) -> tuple[list[int], list[Problem]]:
     """The physical indices of the GPUs this process sees, in the order it numbers them.
 
@@ -483,6 +485,8 @@ def visible_devices(
         unique_ids: Their unique ids (16 hex digits, or ``GPU-`` and 16 hex digits), by
             physical index, where known otherwise (``hip_uuid`` of
             ``amdsmi_get_gpu_enumeration_info``); ``None`` entries fall back to ``uuids``.
+        runtime_order: The physical indices in the order the ROCm runtimes number the GPUs
+            (see :func:`runtime_order`; default: amdsmi's order).
 
     """
     ids: list[str | None] = []
@@ -492,7 +496,7 @@ def visible_devices(
         if have is None and physical < len(uuids):
             have = unique_id(uuids[physical])
         ids.append(have)
-    order = list(range(count))
+    order = list(range(count)) if runtime_order is None else list(runtime_order)
     problems: list[Problem] = []
     hip_var = _VISIBLE_VARS[1] if _VISIBLE_VARS[1] in env else _VISIBLE_VARS[2]
     for var in (_VISIBLE_VARS[0], hip_var):
@@ -528,6 +532,31 @@ def visible_devices(
             selected.append(order[pos])
         order = selected
     return order, problems
+
+
+def runtime_order(smi: ModuleType, handles: Sequence[Any]) -> list[int] | None:
+    """The positions in ``handles`` in the order HIP numbers the GPUs, where amdsmi says.
+
+    HIP numbers GPUs by KFD node, which need not be amdsmi's handle order; newer amdsmi
+    reports each GPU's ``hip_id`` (``amdsmi_get_gpu_enumeration_info``). ``None`` when it does
+    not, or when the ids are missing, invalid or repeated (amdsmi's order is then used).
+    """
+    fn = getattr(smi, "amdsmi_get_gpu_enumeration_info", None)
+    if fn is None:
+        return None
+    ids: list[int] = []
+    for h in handles:
+        try:
+            info = fn(h)
+            value = info.get("hip_id") if isinstance(info, Mapping) else None
+        except Exception:  # noqa: BLE001 - an optional extra
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value in _INVALID_UINTS:
+            return None
+        ids.append(value)
+    if len(set(ids)) != len(ids):
+        return None
+    return sorted(range(len(handles)), key=ids.__getitem__)
 
 
 def _enumeration_hip_uuid(smi: ModuleType, handle: Any) -> str | None:
@@ -607,7 +636,7 @@ def discover_amd(
     # The runtimes' ids are only needed to resolve a selection by unique id.
     selecting = any(env.get(v) for v in _VISIBLE_VARS)
     hip_uuids = [_enumeration_hip_uuid(smi, h) for h in handles] if selecting else None
-    physical, problems = visible_devices(len(handles), uuids, env, hip_uuids)
+    physical, problems = visible_devices(len(handles), uuids, env, hip_uuids, runtime_order(smi, handles))
     gpus: list[AMDGPU] = []
     for index, p in enumerate(physical):
         try:

@@ -139,6 +139,8 @@ class _Handle:
         device_id: PCI device id.
         uuid: What ``amdsmi_get_gpu_device_uuid`` returns (amdsmi's layout of the unique id).
         hip_uuid: The ``hip_uuid`` of ``amdsmi_get_gpu_enumeration_info`` (tests may change it).
+        hip_id: Its ``hip_id``: HIP's device number, by KFD node, which need not be the
+            handle's position (default: the position; tests may change it).
 
     """
 
@@ -152,6 +154,7 @@ class _Handle:
         self.device_id = 0x74A1 if sim.model.arch == "cdna3" else 0x740C
         self.uuid = amdsmi_uuid(self.unique_id, self.device_id)
         self.hip_uuid = f"GPU-{self.unique_id:016x}"
+        self.hip_id = physical
         self.frozen_ticks: int | None = None
         self.calls = 0
 
@@ -240,7 +243,7 @@ def make_module(
     def amdsmi_get_gpu_enumeration_info(handle: Any) -> dict[str, Any]:
         h = _check(handle)
         return {"drm_render": 128 + h.physical, "drm_card": h.physical, "hsa_id": h.physical + 1,
-                "hip_id": h.physical, "hip_uuid": h.hip_uuid}
+                "hip_id": h.hip_id, "hip_uuid": h.hip_uuid}
 
     def amdsmi_get_energy_count(handle: Any) -> dict[str, Any]:
         h = _check(handle)
