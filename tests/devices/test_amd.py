@@ -399,3 +399,36 @@ def test_cuda_visible_devices_only_without_hip() -> None:
     assert visible_devices(4, uuids, {"CUDA_VISIBLE_DEVICES": "3"})[0] == [3]
     assert visible_devices(4, uuids, {"CUDA_VISIBLE_DEVICES": "3", "HIP_VISIBLE_DEVICES": "1"})[0] == [1]
     assert visible_devices(4, uuids, {})[0] == [0, 1, 2, 3]
+
+
+def test_second_die_of_an_mi250x_is_told_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROCm reports an MI250X package's power, energy and cap on its first GCD, zeros on the second.
+    clock = VirtualClock()
+    gcds = [SimGPU(MI250X, clock, index=i, workload=Constant(1.0)) for i in range(2)]
+    with installed(gcds) as smi:
+        second = smi.handles[1]
+        energy, power = smi.amdsmi_get_energy_count, smi.amdsmi_get_power_info
+        caps = smi.amdsmi_get_power_cap_info
+
+        def package_energy(h: object) -> dict:
+            return {**energy(h), "power": 0, "energy_accumulator": 0} if h is second else energy(h)
+
+        def package_power(h: object) -> dict:
+            return {**power(h), "average_socket_power": 0} if h is second else power(h)
+
+        def package_caps(h: object) -> dict:
+            zero = {"power_cap": 0, "default_power_cap": 0, "min_power_cap": 0, "max_power_cap": 0}
+            return {**caps(h), **zero} if h is second else caps(h)
+
+        monkeypatch.setattr(smi, "amdsmi_get_energy_count", package_energy)
+        monkeypatch.setattr(smi, "amdsmi_get_power_info", package_power)
+        monkeypatch.setattr(smi, "amdsmi_get_power_cap_info", package_caps)
+        gpus, problems = discover_amd({}, clock=clock)
+        a, b = amd_gpus(gpus)
+        assert not a.secondary_die and a.has_energy_counter()
+        assert b.secondary_die and not b.has_energy_counter() and b.describe()["secondary_die"]
+        assert [p.device for p in problems] == ["GPU 1"]
+        assert "second die (GCD)" in problems[0].message and "update ROCm" not in problems[0].fix
+        with pytest.raises(NotSupportedError, match="set it on the package's first die"):
+            b.set_power_limit_w(300)
+        a.set_power_limit_w(300)

@@ -120,6 +120,20 @@ class AMDGPU(GPU):
             self.uuid = f"AMD-GPU-{self.physical_index}"
         self.counter_check: dict[str, object] | None = None
         self._counter_ok = True
+        self.secondary_die = self._is_secondary_die()
+        if self.secondary_die:
+            self._counter_ok = False
+            self._problems.append(
+                Problem(
+                    f"GPU {index}",
+                    f"{self.name}: the second die (GCD) of its package: amdsmi reports the package's "
+                    "power, energy and power cap, both dies included, on the first die; this one "
+                    "reads 0 W and has no power cap of its own",
+                    "measure and cap the package through its first die (the GPU before this one "
+                    "in amdsmi's list), whose figures cover both dies",
+                )
+            )
+            return
         try:
             self._energy_raw_j()
         except JoulesError as e:
@@ -134,6 +148,21 @@ class AMDGPU(GPU):
             )
         if self._counter_ok and counter_check_s is not None:
             check_energy_counters([self], self.clock, counter_check_s)
+
+    def _is_secondary_die(self) -> bool:
+        """Whether this is the second GCD of an MI200 package (energy counter and caps read 0).
+
+        ROCm reports such a package's power, energy and cap on its first GCD and zeros on the
+        second (as ``rocm-smi`` tells the second die apart).
+        """
+        try:
+            info = self._call("amdsmi_get_energy_count", "the energy counter")
+            caps = self._cap_info()
+        except (JoulesError, TypeError, ValueError):
+            return False
+        ticks = info.get("energy_accumulator", info.get("power"))
+        return (_number(ticks) == 0 and not _cap_w(caps.get("power_cap"))
+                and not _cap_w(caps.get("max_power_cap")))
 
     # -- amdsmi calls -----------------------------------------------------------------------
     def _call(self, fn_name: str, what: str, *args: Any) -> Any:
@@ -243,6 +272,11 @@ class AMDGPU(GPU):
         return (self._cap("min_power_cap"), self._cap("max_power_cap"))
 
     def set_power_limit_w(self, watts: float) -> None:
+        if self.secondary_die:
+            raise NotSupportedError(
+                f"GPU {self.index} ({self.name}) is the second die of its package, which has one "
+                "power cap: set it on the package's first die"
+            )
         self.check_power_limit(watts)
         self._call("amdsmi_set_power_cap", "setting the power cap", 0, int(round(watts * 1e6)))
 
@@ -318,6 +352,7 @@ class AMDGPU(GPU):
     def describe(self) -> dict[str, object]:
         info = super().describe()
         info["energy_counter_check"] = self.counter_check
+        info["secondary_die"] = self.secondary_die
         return info
 
 
