@@ -160,3 +160,33 @@ def test_fit_again_after_an_exception_measures_no_idle_time_and_chooses_as_a_cle
     done = [limit for state, limit in work.seen[13:] if state is State.DONE]
     assert len(done) >= 20 and set(done) == {opt.chosen_limit_w}
     assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
+def test_a_step_is_an_accumulation_cycle_however_validation_splits_them():
+    # accumulate_grad_batches=4: three batches only accumulate (0.1 s of work), the fourth also
+    # steps the optimizer (0.5 s). Validation every 6 batches lands mid-cycle; a point counting
+    # batches would hold uneven shares of light and heavy ones (off by up to 25 %).
+    k, light, heavy = 4, 0.1, 0.5
+    sim, opt, work, trainer = setup(max_epochs=40, accumulate_grad_batches=k, val_check_interval=6)
+
+    class CycleWork(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            sim.run(light if (batch_idx + 1) % k else heavy, CF)
+
+    trainer.callbacks = [CycleWork(), *[c for c in trainer.callbacks if not isinstance(c, SimWork)]]
+    trainer.fit(MLP(), loader(16 * 24), loader(32, seed=1))
+
+    def cycle(limit: float) -> tuple[float, float]:
+        s = Simulator("A100")
+        s.set_workload(Constant(1.0), cpus=False)
+        s.gpus[0].set_power_limit_w(limit)
+        e0 = s.gpus[0].true_energy_j()
+        t = sum(s.run(w, CF) for w in (light, light, light, heavy))
+        return t, s.gpus[0].true_energy_j() - e0
+
+    assert len(opt.points) >= 3
+    for limit, p in opt.points.items():
+        t, e = cycle(limit)
+        assert p.time_s == pytest.approx(t, rel=1e-2) and p.energy_j == pytest.approx(e, rel=2e-2)
+    assert opt.chosen_limit_w == min(opt.points, key=lambda w: cycle(w)[1])
+    assert sim.gpus[0].power_limit_w() == PRESET_W

@@ -285,6 +285,31 @@ def test_the_warmup_after_a_limit_change_goes_on_across_an_epoch_end():
     opt.on_train_end()
 
 
+def test_warm_ups_ending_at_pauses_do_not_give_profiling_up(caplog):
+    # Epochs of 10 steps, evaluation every 7 and a checkpoint every 5: the warm-up after each
+    # pause is sized from the last interval and ends three times in a row on the step before a
+    # pause (steps 10, 14, 15). No step was ever due to be measured then; profiling goes on.
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
+    opt.on_train_begin()
+    done = 0
+    with caplog.at_level(logging.WARNING, logger="joules.power_limit"):
+        for _ in range(200):
+            opt.on_epoch_begin()
+            for _ in range(10):
+                opt.on_step_begin()
+                sim.run(WORK_S, CF)
+                opt.on_step_end()
+                done += 1
+                if done % 7 == 0 or done % 5 == 0:
+                    opt.pause()
+            opt.on_epoch_end()
+            if opt.state is State.DONE:
+                break
+    assert "profiling is given up" not in caplog.text
+    assert opt.state is State.DONE and opt.chosen_limit_w is not None and len(opt.points) >= 3
+    opt.on_train_end()
+
+
 def test_profiling_that_can_measure_nothing_gives_up_and_keeps_the_admins_limit(caplog):
     # One step per epoch and no on_step_begin: a window opens at a step's end and the epoch
     # ends right after it, so no step is ever measured.

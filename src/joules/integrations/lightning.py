@@ -14,10 +14,13 @@ The callback subclasses ``lightning.pytorch.Callback``, or ``pytorch_lightning.C
 only the older ``pytorch_lightning`` package is installed (Lightning calls callback hooks by
 name, so either works with either ``Trainer``).
 
-What counts as a step: every *training batch* (``on_train_batch_start`` /
-``on_train_batch_end``). With ``accumulate_grad_batches=k`` only every ``k``-th batch runs the
-optimizer, so steps are not all alike: choose ``warmup_steps`` and ``profile_steps`` as
-multiples of ``k`` so that every profile holds whole accumulation cycles.
+What counts as a step: the training batches up to an optimizer step, from the
+``on_train_batch_start`` of the first to the ``on_train_batch_end`` after which
+``trainer.global_step`` has moved. Without gradient accumulation that is every batch; with
+``accumulate_grad_batches=k`` it is a whole accumulation cycle of ``k`` batches (the batches
+that only accumulate are cheaper than the one that steps, so counting batches would make
+measured spans hold uneven shares of each), as ``warmup_steps`` and ``profile_steps`` count
+them.
 
 Validation (including the sanity check before training) and checkpoint saving are not
 training steps: the measurement pauses when a validation loop starts and when a checkpoint is
@@ -66,9 +69,11 @@ class PowerLimitCallback(Callback):
         super().__init__()
         self.optimizer = optimizer
         self.pause_on_validation_and_save = pause_on_validation_and_save
+        self._step_from: int | None = None  # trainer.global_step when the current step began
 
     # -- training -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._step_from = None
         self.optimizer.on_train_begin()
         if self.pause_on_validation_and_save:
             self._pause_on_save(trainer)
@@ -77,14 +82,19 @@ class PowerLimitCallback(Callback):
         self.optimizer.on_epoch_begin()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.optimizer.on_step_begin()
+        if self._step_from is None:  # the first batch of an optimizer step
+            self._step_from = trainer.global_step
+            self.optimizer.on_step_begin()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.optimizer.on_step_end()
+        if self._step_from is None or trainer.global_step != self._step_from:  # the optimizer stepped
+            self._step_from = None
+            self.optimizer.on_step_end()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._step_from = None  # a cycle the strategy carries over is not measured across the end
         self.optimizer.on_epoch_end()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -220,6 +220,8 @@ class PowerLimitOptimizer:
         self._measured: list[float] = []  # limits measured by this optimizer (not saved ones)
         self._steps_since_pause = 0
         self._measured_since_pause = 0
+        self._profiling_since_pause = False  # a step ran while profiling since the last pause
+        self._in_step = False  # on_step_begin called, on_step_end not yet
         self._epoch_steps = 0  # steps since the last epoch end, whatever the pauses in between
         self._interval_steps = 0  # steps since the last pause that was not an epoch end
         self._epoch_len: int | None = None  # steps of the last epoch
@@ -262,6 +264,7 @@ class PowerLimitOptimizer:
         """
         stepped, self._stepped = self._stepped, False
         self._steps_since_pause = self._measured_since_pause = 0
+        self._profiling_since_pause = False
         self._epoch_steps = self._interval_steps = 0
         if self._ended:
             self._ended = False
@@ -309,14 +312,18 @@ class PowerLimitOptimizer:
         if self.state is State.READY or self._ended:
             self.on_train_begin()
         self._stepped = True
-        if self.state is State.PROFILING and not self._window_open:
-            self._open()
+        self._in_step = True
+        if self.state is State.PROFILING:
+            self._profiling_since_pause = True
+            if not self._window_open:
+                self._open()
 
     def on_step_end(self) -> None:
         """A training step ended."""
         if self.state is State.READY or self._ended:
             self.on_train_begin()
         self._stepped = True
+        self._in_step = False
         self._steps_since_pause += 1
         self._epoch_steps += 1
         self._interval_steps += 1
@@ -330,6 +337,7 @@ class PowerLimitOptimizer:
                 self.state = State.PROFILING
             return
         if self.state is State.PROFILING:
+            self._profiling_since_pause = True
             if not self._window_open:  # on_step_begin is not called: measure from here on
                 self._open()
                 return
@@ -353,7 +361,10 @@ class PowerLimitOptimizer:
         after the limit change), but fewer than half the steps since the previous pause
         (epoch ends not counted) when that is less, so that work paused more often than the
         warm-up lasts is still measured. After an epoch end, the same holds with the steps
-        of the whole epoch, whatever the pauses within it. When three epochs in a row
+        of the whole epoch, whatever the pauses within it. A pause between
+        :meth:`on_step_begin` and :meth:`on_step_end` (within a gradient-accumulation cycle)
+        drops the segment measured since the previous pause, which ends part-way through a
+        step. When three epochs in a row
         measure no step (epochs of one step without :meth:`on_step_begin`), profiling is
         given up and the limits the GPUs had are put back for the rest of the run. Nothing
         happens outside profiling.
@@ -366,15 +377,22 @@ class PowerLimitOptimizer:
         """Pause; ``span`` is the steps between such pauses (``what`` names them in a warning)."""
         steps, self._steps_since_pause = self._steps_since_pause, 0
         measured, self._measured_since_pause = self._measured_since_pause, 0
+        profiling, self._profiling_since_pause = self._profiling_since_pause, False
+        in_step, self._in_step = self._in_step, False
         acc = self._acc
         if acc is None or self.state not in (State.WARMUP, State.PROFILING):
             return
         if steps:
-            # Warmed up, yet no step measured (at this limit or one completed meanwhile).
-            idle = self.state is State.PROFILING and not measured
+            # A step ran while profiling, yet none was measured (at this limit or one completed
+            # meanwhile). A warm-up that ended at the last step before the pause is no sign.
+            idle = self.state is State.PROFILING and profiling and not measured
             self._idle_epochs = self._idle_epochs + 1 if idle else 0
         if self._window_open:
-            self._close()
+            if in_step:  # a pause within a step (between the batches of an accumulation cycle):
+                self.monitor.cancel_window(self._window_name())  # the segment ends in a part-step
+                self._window_open = False
+            else:
+                self._close()
         if self._idle_epochs >= _IDLE_EPOCHS:
             self._give_up(steps)
             return
