@@ -432,3 +432,22 @@ def test_second_die_of_an_mi250x_is_told_apart(monkeypatch: pytest.MonkeyPatch) 
         with pytest.raises(NotSupportedError, match="set it on the package's first die"):
             b.set_power_limit_w(300)
         a.set_power_limit_w(300)
+
+
+def test_a_zero_counter_and_caps_not_available_are_not_a_second_die(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = VirtualClock()
+    with installed([SimGPU(MI250X, clock, index=0, workload=Constant(1.0))]) as smi:
+        energy, caps = smi.amdsmi_get_energy_count, smi.amdsmi_get_power_cap_info
+        reset = {"done": False}
+
+        def fresh_counter(h: object) -> dict:  # reads 0 once (just reset), then counts
+            if not reset["done"]:
+                reset["done"] = True
+                return {**energy(h), "power": 0, "energy_accumulator": 0}
+            return energy(h)
+
+        monkeypatch.setattr(smi, "amdsmi_get_energy_count", fresh_counter)
+        monkeypatch.setattr(smi, "amdsmi_get_power_cap_info",
+                            lambda h: {**caps(h), "power_cap": "N/A", "max_power_cap": "N/A"})
+        gpus, _ = discover_amd({}, clock=clock, counter_check_s=None)
+    assert not amd_gpus(gpus)[0].secondary_die and gpus[0].has_energy_counter()

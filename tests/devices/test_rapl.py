@@ -196,10 +196,13 @@ def test_amd_die_zones_are_one_package_counter(tmp_path: Path) -> None:
 def test_die_zones_reading_one_counter_without_cpuinfo(tmp_path: Path) -> None:
     fake = FakePowercap(tmp_path, packages=2, dies=2, dram=False)
     mirror_package_counter(fake, 0, 3.0)  # package 0's dies read one counter; package 1's do not
-    fake.add_energy(fake.zone_number(1, 0), "package", 1.0)
-    fake.add_energy(fake.zone_number(1, 1), "package", 2.0)
+    fake.add_energy(fake.zone_number(1, 0), "package", 10.0)  # two counters: they differ by
+    fake.add_energy(fake.zone_number(1, 1), "package", 25.0)  # what each die used
     cpus, problems = discover_rapl(fake.root, cpuinfo=None)
     assert problems == []
+    assert [(c.package_id, c.die_id) for c in cpus] == [(0, None), (1, 0), (1, 1)]
+    fake.add_energy(fake.zone_number(0, 1), "package", 0.000061)  # a tick between two reads
+    cpus, _ = discover_rapl(fake.root, cpuinfo=None)
     assert [(c.package_id, c.die_id) for c in cpus] == [(0, None), (1, 0), (1, 1)]
     # with the vendor known to be Intel, die zones are dies whatever they read
     cpus, _ = discover(fake)

@@ -162,10 +162,12 @@ def test_fit_again_after_an_exception_measures_no_idle_time_and_chooses_as_a_cle
     assert sim.gpus[0].power_limit_w() == PRESET_W
 
 
-def test_a_step_is_an_accumulation_cycle_however_validation_splits_them():
+@pytest.mark.parametrize("batches", [24, 26])
+def test_a_step_is_an_accumulation_cycle_however_validation_splits_them(batches: int):
     # accumulate_grad_batches=4: three batches only accumulate (0.1 s of work), the fourth also
     # steps the optimizer (0.5 s). Validation every 6 batches lands mid-cycle; a point counting
-    # batches would hold uneven shares of light and heavy ones (off by up to 25 %).
+    # batches would hold uneven shares of light and heavy ones (off by up to 25 %). With 26
+    # batches an epoch ends in a cycle of 2, which Lightning steps early: it is not measured.
     k, light, heavy = 4, 0.1, 0.5
     sim, opt, work, trainer = setup(max_epochs=40, accumulate_grad_batches=k, val_check_interval=6)
 
@@ -174,7 +176,7 @@ def test_a_step_is_an_accumulation_cycle_however_validation_splits_them():
             sim.run(light if (batch_idx + 1) % k else heavy, CF)
 
     trainer.callbacks = [CycleWork(), *[c for c in trainer.callbacks if not isinstance(c, SimWork)]]
-    trainer.fit(MLP(), loader(16 * 24), loader(32, seed=1))
+    trainer.fit(MLP(), loader(16 * batches), loader(32, seed=1))
 
     def cycle(limit: float) -> tuple[float, float]:
         s = Simulator("A100")
@@ -190,3 +192,24 @@ def test_a_step_is_an_accumulation_cycle_however_validation_splits_them():
         assert p.time_s == pytest.approx(t, rel=1e-2) and p.energy_j == pytest.approx(e, rel=2e-2)
     assert opt.chosen_limit_w == min(opt.points, key=lambda w: cycle(w)[1])
     assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
+class ManualMLP(MLP):
+    """Manual optimization with the plain torch optimizer: ``trainer.global_step`` never moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers(use_pl_optimizer=False)
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        opt.step()
+
+
+def test_under_manual_optimization_every_batch_is_a_step():
+    sim, opt, work, trainer = setup(max_epochs=30)
+    trainer.fit(ManualMLP(), loader(176))
+    assert trainer.global_step == 0
+    check_profiled_chose_and_restored(sim, opt, work.seen)

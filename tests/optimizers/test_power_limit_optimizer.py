@@ -310,6 +310,29 @@ def test_warm_ups_ending_at_pauses_do_not_give_profiling_up(caplog):
     opt.on_train_end()
 
 
+def test_a_pause_within_a_step_drops_only_what_it_cuts():
+    # Evaluation inside every 5th step (between micro-batches of an accumulation cycle): the
+    # cut step is not measured, nor is the 2 s evaluation; the points hold whole steps only.
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=2, profile_steps=8)
+    opt.on_train_begin()
+    n = 0
+    while opt.state is not State.DONE and n < 2000:
+        opt.on_step_begin()
+        sim.run(WORK_S / 2, CF)
+        n += 1
+        if n % 5 == 0:
+            opt.pause()
+            sim.advance(2.0)
+        sim.run(WORK_S / 2, CF)
+        opt.on_step_end()
+    assert opt.state is State.DONE and len(opt.points) >= 3
+    for limit, p in opt.points.items():
+        t = truth("A100", limit)
+        assert p.time_s == pytest.approx(t.time_s, rel=1e-3)
+        assert p.energy_j == pytest.approx(t.energy_j, rel=1e-2)
+    opt.on_train_end()
+
+
 def test_profiling_that_can_measure_nothing_gives_up_and_keeps_the_admins_limit(caplog):
     # One step per epoch and no on_step_begin: a window opens at a step's end and the epoch
     # ends right after it, so no step is ever measured.

@@ -150,19 +150,21 @@ class AMDGPU(GPU):
             check_energy_counters([self], self.clock, counter_check_s)
 
     def _is_secondary_die(self) -> bool:
-        """Whether this is the second GCD of an MI200 package (energy counter and caps read 0).
+        """Whether this is the second GCD of an MI250(X) package (energy counter and caps read 0).
 
         ROCm reports such a package's power, energy and cap on its first GCD and zeros on the
-        second (as ``rocm-smi`` tells the second die apart).
+        second (as ``rocm-smi`` tells the second die apart). The caps must read a number, 0:
+        "N/A" caps and a counter at 0 just after a reset are not that.
         """
+        if "MI250" not in self.name.upper():
+            return False
         try:
             info = self._call("amdsmi_get_energy_count", "the energy counter")
             caps = self._cap_info()
         except (JoulesError, TypeError, ValueError):
             return False
         ticks = info.get("energy_accumulator", info.get("power"))
-        return (_number(ticks) == 0 and not _cap_w(caps.get("power_cap"))
-                and not _cap_w(caps.get("max_power_cap")))
+        return _number(ticks) == 0 and all(_number(caps.get(k)) == 0 for k in ("power_cap", "max_power_cap"))
 
     # -- amdsmi calls -----------------------------------------------------------------------
     def _call(self, fn_name: str, what: str, *args: Any) -> Any:

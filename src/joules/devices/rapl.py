@@ -82,6 +82,10 @@ NO_RAPL_FIX = (
 _ZONE_DIR = re.compile(r"^(intel-rapl|amd-rapl|intel-rapl-mmio):([0-9a-f]+)(?::([0-9a-f]+))?$")
 _PACKAGE_NAME = re.compile(r"^package-(\d+)(?:-die-(\d+))?$")
 _READ_SIZE = 64
+# Die zones whose counters read this close (µJ) are one counter read several times: a package
+# draws far less than this in the microseconds the reads take, and separate counters differ by
+# what each die used since boot.
+_SAME_COUNTER_UJ = 1_000_000
 
 
 def permission_fix(root: str | Path) -> str:
@@ -410,8 +414,10 @@ def _package_scope(chosen: dict[tuple[int, int], tuple[str, Path]],
     for package_id, zones in dies.items():
         shared = len(zones) > 1 and zones[0][0] >= 0
         if shared and vendor != "amd":
-            readings = {_read_int(path / "energy_uj") for _, (_, path) in zones}
-            shared = vendor == "unknown" and len(readings) == 1 and None not in readings and 0 not in readings
+            readings = [_read_int(path / "energy_uj") for _, (_, path) in zones]
+            # One counter read a few times in a row: equal but for the ticks between the reads.
+            shared = (vendor == "unknown" and None not in readings and 0 not in readings
+                      and max(readings) - min(readings) <= _SAME_COUNTER_UJ)  # type: ignore[type-var,operator]
         if shared:
             out[(package_id, -1)] = zones[0][1]
         else:

@@ -14,13 +14,13 @@ The callback subclasses ``lightning.pytorch.Callback``, or ``pytorch_lightning.C
 only the older ``pytorch_lightning`` package is installed (Lightning calls callback hooks by
 name, so either works with either ``Trainer``).
 
-What counts as a step: the training batches up to an optimizer step, from the
-``on_train_batch_start`` of the first to the ``on_train_batch_end`` after which
-``trainer.global_step`` has moved. Without gradient accumulation that is every batch; with
-``accumulate_grad_batches=k`` it is a whole accumulation cycle of ``k`` batches (the batches
-that only accumulate are cheaper than the one that steps, so counting batches would make
-measured spans hold uneven shares of each), as ``warmup_steps`` and ``profile_steps`` count
-them.
+What counts as a step: an optimizer step. Without gradient accumulation (and under manual
+optimization) that is every training batch; with ``accumulate_grad_batches=k`` it is a whole
+accumulation cycle of ``k`` batches, as Lightning counts them (batch indices ``0..k-1``,
+``k..2k-1``, ... of each epoch), since the batches that only accumulate cost less than the
+one that steps, and counting batches would make measured spans hold uneven shares of each.
+``warmup_steps`` and ``profile_steps`` count cycles then. A last cycle of fewer than ``k``
+batches at an epoch's end is not measured (the measurement pauses before it).
 
 Validation (including the sanity check before training) and checkpoint saving are not
 training steps: the measurement pauses when a validation loop starts and when a checkpoint is
@@ -37,6 +37,7 @@ other ranks through ``torch.distributed`` itself.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 try:
@@ -69,11 +70,11 @@ class PowerLimitCallback(Callback):
         super().__init__()
         self.optimizer = optimizer
         self.pause_on_validation_and_save = pause_on_validation_and_save
-        self._step_from: int | None = None  # trainer.global_step when the current step began
+        self._partial = False  # the batches of an epoch's last, partial accumulation cycle
 
     # -- training -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._step_from = None
+        self._partial = False
         self.optimizer.on_train_begin()
         if self.pause_on_validation_and_save:
             self._pause_on_save(trainer)
@@ -81,20 +82,34 @@ class PowerLimitCallback(Callback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.optimizer.on_epoch_begin()
 
+    @staticmethod
+    def _cycle(trainer: Any, pl_module: Any) -> int:
+        """Batches per optimizer step: ``accumulate_grad_batches`` under automatic optimization."""
+        if not getattr(pl_module, "automatic_optimization", True):
+            return 1  # the module steps its optimizers itself, where it likes: every batch is a step
+        k = getattr(trainer, "accumulate_grad_batches", 1)
+        return k if isinstance(k, int) and k > 1 else 1
+
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_from is None:  # the first batch of an optimizer step
-            self._step_from = trainer.global_step
+        k = self._cycle(trainer, pl_module)
+        if batch_idx % k:
+            return  # within a cycle
+        left = getattr(trainer, "num_training_batches", math.inf)
+        left = left - batch_idx if isinstance(left, (int, float)) else math.inf
+        self._partial = k > 1 and left < k
+        if self._partial:  # the epoch's last cycle is short: not a step like the others
+            self.optimizer.pause()
+        else:
             self.optimizer.on_step_begin()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._step_from is None or trainer.global_step != self._step_from:  # the optimizer stepped
-            self._step_from = None
+        if not self._partial and (batch_idx + 1) % self._cycle(trainer, pl_module) == 0:
             self.optimizer.on_step_end()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self._step_from = None  # a cycle the strategy carries over is not measured across the end
+        self._partial = False
         self.optimizer.on_epoch_end()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

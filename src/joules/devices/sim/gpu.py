@@ -310,7 +310,7 @@ class SimGPU(GPU):
         return [m.max_sm_mhz - i * m.sm_step_mhz for i in range(n + 1)]
 
     def _check_sm_lock(self) -> None:
-        if self.model.arch == "pascal":  # NVML: "For Volta or newer fully supported devices"
+        if self.model.arch in ("kepler", "maxwell", "pascal"):  # NVML: "For Volta or newer"
             raise NotSupportedError(
                 f"GPU {self.index} ({self.name}) cannot lock SM clocks (needs Volta or newer)"
             )
@@ -338,7 +338,7 @@ class SimGPU(GPU):
             self._changed()
 
     def _check_memory_lock(self) -> None:
-        if self.model.arch in ("pascal", "volta"):  # NVML: "For Ampere or newer fully supported devices"
+        if self.model.arch in ("kepler", "maxwell", "pascal", "volta", "turing"):  # NVML: "Ampere or newer"
             raise NotSupportedError(
                 f"GPU {self.index} ({self.name}) cannot lock memory clocks (needs Ampere or newer)"
             )

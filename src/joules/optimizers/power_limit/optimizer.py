@@ -222,6 +222,7 @@ class PowerLimitOptimizer:
         self._measured_since_pause = 0
         self._profiling_since_pause = False  # a step ran while profiling since the last pause
         self._in_step = False  # on_step_begin called, on_step_end not yet
+        self._split_steps = False  # a pause came within a step: windows end at each step's end
         self._epoch_steps = 0  # steps since the last epoch end, whatever the pauses in between
         self._interval_steps = 0  # steps since the last pause that was not an epoch end
         self._epoch_len: int | None = None  # steps of the last epoch
@@ -346,6 +347,8 @@ class PowerLimitOptimizer:
             if acc.steps + acc.segment_steps >= self.profile_steps:
                 self._close()
                 self._complete()
+            elif self._split_steps:  # pauses may come within steps: keep what is measured
+                self._close()
 
     def on_epoch_end(self) -> None:
         """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
@@ -363,8 +366,9 @@ class PowerLimitOptimizer:
         warm-up lasts is still measured. After an epoch end, the same holds with the steps
         of the whole epoch, whatever the pauses within it. A pause between
         :meth:`on_step_begin` and :meth:`on_step_end` (within a gradient-accumulation cycle)
-        drops the segment measured since the previous pause, which ends part-way through a
-        step. When three epochs in a row
+        drops what was measured since the previous pause, which ends part-way through a step;
+        from then on each step is measured in a window of its own, so that such a pause drops
+        only the step it cuts. When three epochs in a row
         measure no step (epochs of one step without :meth:`on_step_begin`), profiling is
         given up and the limits the GPUs had are put back for the rest of the run. Nothing
         happens outside profiling.
@@ -389,8 +393,9 @@ class PowerLimitOptimizer:
             self._idle_epochs = self._idle_epochs + 1 if idle else 0
         if self._window_open:
             if in_step:  # a pause within a step (between the batches of an accumulation cycle):
-                self.monitor.cancel_window(self._window_name())  # the segment ends in a part-step
+                self.monitor.cancel_window(self._window_name())  # the window ends in a part-step
                 self._window_open = False
+                self._split_steps = True  # from now on a window spans one step: only it is lost
             else:
                 self._close()
         if self._idle_epochs >= _IDLE_EPOCHS:
@@ -457,9 +462,12 @@ class PowerLimitOptimizer:
     def _give_up(self, steps: int) -> None:
         """Stop profiling for good and put back the limits the GPUs had (nothing can be measured)."""
         assert self._acc is not None
-        log.warning("no step could be measured at %g W in %d epochs in a row (of %d step(s); call "
-                    "on_step_begin too to measure such short epochs): profiling is given up and the "
-                    "GPUs keep the limits they had", self._acc.limit_w, self._idle_epochs, steps)
+        why = ("every step was cut by a pause within it: evaluation or a checkpoint inside each "
+               "gradient-accumulation cycle" if self._split_steps else
+               "call on_step_begin too to measure such short epochs")
+        log.warning("no step could be measured at %g W in %d epochs in a row (of %d step(s); %s): "
+                    "profiling is given up and the GPUs keep the limits they had", self._acc.limit_w,
+                    self._idle_epochs, steps, why)
         self._acc = None
         self.state = State.DONE
         self.restore()
