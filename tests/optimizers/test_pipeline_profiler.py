@@ -266,6 +266,36 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def test_a_stage_done_first_leaves_a_shared_guards_other_clocks_locked(tmp_path: Path) -> None:
+    # Stage 0 finishes first; its reset must not unlock stage 1's GPU, whose 900 MHz samples
+    # would then run at the top clock (0.050 s) while recorded at 900 MHz (0.074 s).
+    sim = Simulator("A100x2")
+    monitor = EnergyMonitor(devices=sim.devices(), cpu_indices=[])
+    sim.advance(2.0)
+    guard = RestoreGuard(sim.gpus, journal_dir=tmp_path, handle_signals=False, recover_stale=False)
+    p0 = StageProfiler(monitor, stage=0, gpu=0, frequencies=[1410], min_span_s=0, warmup=1, samples=2,
+                       guard=guard)
+    p1 = StageProfiler(monitor, stage=1, gpu=1, frequencies=[1410, 900], min_span_s=0, warmup=0, samples=2,
+                       guard=guard)
+
+    def run(p: StageProfiler, g: SimGPU, kind: str, mb: int) -> None:
+        p.on_instruction_begin(kind, mb)
+        g.set_workload(Constant(1.0))
+        sim.advance(g.step_time_s(0.05, 0.85, 1.0))
+        g.set_workload(Constant(0.0))
+        p.on_instruction_end(kind, mb)
+
+    for mb in range(4):
+        for p, g in ((p1, sim.gpus[1]), (p0, sim.gpus[0])):
+            run(p, g, "forward", mb)
+            run(p, g, "backward", mb)
+    assert p0.done and p1.done
+    slow = [s.time_s for s in p1.measured() if s.frequency == 900 and s.computation == "forward"]
+    assert slow == pytest.approx([0.0741] * 2, abs=1e-4)
+    assert sim.gpus[0].sm_clock_locked() is None and sim.gpus[1].sm_clock_locked() is None
+    assert guard.changed == []
+
+
 def test_sigterm_mid_profile_resets_the_clock(tmp_path: Path) -> None:
     state, env = sim_child_env(tmp_path)
     p = start_ready([sys.executable, "-c", CHILD, str(state)], env, "locked (1200.0, 1200.0)")

@@ -624,8 +624,8 @@ class RestoreGuard:
                         self._forget(entry)
                     raise
 
-    def restore(self) -> list[str]:
-        """Put every changed GPU back; idempotent.
+    def restore(self, gpu: GPU | None = None) -> list[str]:
+        """Put every changed GPU back (or only ``gpu``); idempotent.
 
         Resets the clocks the guard locked and sets the original power limits; a GPU that
         another running guard still has changed is left to it (see the class description:
@@ -637,6 +637,10 @@ class RestoreGuard:
         and signal handlers are uninstalled (the signal handlers stay while
         :meth:`install_signal_handlers` holds them). Nothing is raised.
 
+        Args:
+            gpu: Put back this GPU only, leaving the others the guard changed as they are (a
+                guard shared by several stages, one of which is done with its GPU).
+
         Returns:
             One line per error; empty when everything was restored.
         """
@@ -645,6 +649,8 @@ class RestoreGuard:
             # Each guard's journal (and registration) is updated before another one restores.
             with _directory_lock(self.journal_dir) if self._entries else contextlib.nullcontext():
                 for uuid, entry in list(self._entries.items()):
+                    if gpu is not None and uuid != gpu.uuid:
+                        continue
                     errors += self._restore_entry(entry)
                     if entry.empty():
                         del self._entries[uuid]

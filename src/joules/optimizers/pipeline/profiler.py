@@ -270,8 +270,9 @@ class StageProfiler:
             self._gap_open = False
             m = self.monitor.end_window(self._gap)
             self._segments.append((m.start_time, m.start_time + m.elapsed_s, 2))
-        if self._locked != mhz:
-            self._lock(mhz)
+        if self._locked != mhz or (self.guard is not None and not self.dry_run
+                                   and not self.guard.holds_sm_clock(self.gpu)):
+            self._lock(mhz)  # (again, when something reset the clock through a shared guard)
         self.monitor.begin_window(self._window)
         self._running = (kind, int(microbatch))
         return mhz
@@ -412,7 +413,8 @@ class StageProfiler:
             self._gap_open = False
             self._locked = None
             self._segments = []
-            errors = [] if self.guard is None else self.guard.restore()
+            # Only this stage's GPU: a guard shared with other stages' profilers keeps theirs locked.
+            errors = [] if self.guard is None else self.guard.restore(self.gpu)
         return errors
 
     def close(self) -> list[str]:
