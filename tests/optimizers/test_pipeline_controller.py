@@ -239,6 +239,31 @@ def test_strict_order(sim: Simulator, tmp_path: Path) -> None:
         assert ctl.stats.out_of_order == 1
 
 
+def test_a_strict_controller_goes_on_after_an_iteration_cut_short(sim: Simulator, tmp_path: Path) -> None:
+    ctl = FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path, strict=True)
+    with pytest.raises(RuntimeError, match="out of memory"), ctl:
+        ctl.on_instruction_begin("forward", 0)
+        ctl.on_instruction_end("forward", 0)
+        ctl.on_instruction_begin("forward", 1)
+        raise RuntimeError("out of memory")  # between begin and end
+    with ctl:  # the same iteration again, from its first computation
+        for i in PLAN:
+            ctl.on_instruction_begin(str(i["computation"]), int(i["microbatch"]))  # type: ignore[call-overload]
+            ctl.on_instruction_end(str(i["computation"]), int(i["microbatch"]))  # type: ignore[call-overload]
+    assert ctl.stats.iterations == 1 and sim.gpus[0].sm_clock_locked() is None
+
+
+def test_another_pipelines_plan_is_named_once(sim: Simulator, tmp_path: Path, caplog) -> None:
+    with FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path) as ctl, caplog.at_level("WARNING"):
+        for kind, mb in (("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)):  # GPipe order
+            ctl.on_instruction_begin(kind, mb)
+            ctl.on_instruction_end(kind, mb)
+    assert ctl.stats.out_of_order == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "backward 0 began, but the plan's next computation is forward 1" in warnings[0]
+
+
 def test_set_plan_switches_at_the_next_instruction(sim: Simulator, tmp_path: Path) -> None:
     gpu = sim.gpus[0]
     slower = [Instruction(str(i["computation"]), int(i["microbatch"]), 900)  # type: ignore[arg-type, call-overload]
@@ -293,6 +318,12 @@ def test_from_rank_file_checks_the_stage(sim: Simulator, tmp_path: Path) -> None
     frontier.save(tmp_path)
     ctl = FrequencyController.from_file(tmp_path / "rank1.json", sim.gpus[1], stage=1, dry_run=True)
     assert [i.to_dict() for i in ctl.instructions] == frontier.rank_plan(fast, 1)
+    rank = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank["schedule"] == "1f1b" and rank["microbatches"] == 2
+    rank1 = tmp_path / "rank1.json"
+    FrequencyController.from_file(rank1, sim.gpus[1], stage=1, microbatches=2, dry_run=True)
+    with pytest.raises(PlanMismatchError, match=r"plans 2 microbatches per iteration, but this rank runs 4"):
+        FrequencyController.from_file(rank1, sim.gpus[1], stage=1, microbatches=4, dry_run=True)
     with pytest.raises(PlanMismatchError, match=r"rank0\.json is the plan of stage 0, but this rank runs "
                                                 r"stage 1; load rank1\.json"):
         FrequencyController.from_file(tmp_path / "rank0.json", sim.gpus[1], stage=1, dry_run=True)
@@ -566,6 +597,18 @@ def test_asynchronous_sigterm_resets_a_clock_locked_by_the_background_thread(
         assert calls == [signal.SIGTERM] * 3
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_asynchronous_controller_used_again_is_protected_again(sim: Simulator, tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    ctl = FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path, asynchronous=True)
+    for _ in range(2):  # one with-block per epoch
+        with ctl:
+            ctl.on_instruction_begin("forward", 0)
+            ctl.flush(timeout=10)
+            assert ctl.guard is not None and signal.getsignal(signal.SIGTERM) == ctl.guard._handle_signal
+            ctl.on_instruction_end("forward", 0)
+        assert signal.getsignal(signal.SIGTERM) == before
 
 
 ASYNC_WAIT_CHILD = textwrap.dedent("""

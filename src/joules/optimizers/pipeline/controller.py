@@ -318,7 +318,8 @@ class FrequencyController:
 
     @classmethod
     def from_file(
-        cls, path: str | Path, gpu: GPU, *, stage: int | None = None, **kwargs: object
+        cls, path: str | Path, gpu: GPU, *, stage: int | None = None, microbatches: int | None = None,
+        **kwargs: object,
     ) -> FrequencyController:
         """A controller from a ``rank{stage}.json`` file :meth:`Frontier.save` writes (or a JSON list).
 
@@ -330,12 +331,15 @@ class FrequencyController:
                 its local rank's instead of its stage's) gets an error instead of running
                 another stage's frequencies. ``None`` checks nothing (a plain JSON list of
                 instructions records no stage, so it can only be loaded that way).
+            microbatches: The microbatches this rank runs per iteration. When given, the plan
+                must have that many (a plan for 8 run with 4 would lock the wrong clocks
+                without an error in the non-strict mode).
             **kwargs: Passed on to the constructor (``guard``, ``dry_run``, ...).
 
         Raises:
             PlanError: Missing or malformed file.
-            PlanMismatchError: The file is another stage's plan, or records no stage to
-                check ``stage`` against.
+            PlanMismatchError: The file is another stage's plan, records no stage to check
+                ``stage`` against, or plans another number of microbatches.
         """
         path = Path(path)
         try:
@@ -361,7 +365,14 @@ class FrequencyController:
                     f"{path} is the plan of stage {recorded}, but this rank runs stage {stage}; "
                     f"load rank{stage}.json of the same plan directory"
                 )
-        return cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
+        controller = cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
+        planned = 1 + max(i.microbatch for i in controller.instructions)
+        if microbatches is not None and planned != microbatches:
+            raise PlanMismatchError(
+                f"{path} plans {planned} microbatches per iteration, but this rank runs {microbatches}: "
+                "plan again for this pipeline (joules pipeline plan --microbatches)"
+            )
+        return controller
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -471,7 +482,14 @@ class FrequencyController:
                     f"is {want.computation} {want.microbatch} (instruction {expected})"
                 )
             self.stats.out_of_order += 1
-            log.debug("GPU %d: %s %d out of the plan's order", self.gpu.index, kind, microbatch)
+            if self.stats.out_of_order == 1:
+                want = self._plan[expected]
+                log.warning("GPU %d: %s %d began, but the plan's next computation is %s %d: is the plan "
+                            "another pipeline's (schedule, microbatches)? Such mismatches are counted in "
+                            "stats.out_of_order (strict=True raises)", self.gpu.index, kind, microbatch,
+                            want.computation, want.microbatch)
+            else:
+                log.debug("GPU %d: %s %d out of the plan's order", self.gpu.index, kind, microbatch)
         self._next = i + 1
         self._running = (kind, int(microbatch))
         self.stats.instructions += 1
@@ -487,6 +505,9 @@ class FrequencyController:
 
     # -- asynchronous locking ---------------------------------------------------------------
     def _post(self, kind: Kind, microbatch: int, mhz: float) -> None:
+        if not self._holds_handlers and self.guard is not None and self._thread is None:
+            # The thread starts (again, after close()): the handlers it cannot install itself.
+            self._holds_handlers = self.guard.install_signal_handlers()
         with self._cond:
             if self._wanted is not None:
                 self.stats.locks_dropped += 1
@@ -640,6 +661,7 @@ class FrequencyController:
 
     def _close(self) -> list[str]:
         errors = self.restore()
+        self._running, self._next = None, 0  # an iteration cut short does not outlive the block
         if self._holds_handlers and self.guard is not None:
             self._holds_handlers = False
             self.guard.uninstall_signal_handlers()
