@@ -414,3 +414,26 @@ def test_power_on_a_dumb_terminal_prints_one_line_per_reading(tmp_path: Path) ->
     assert r.returncode == 0, r.stderr
     readings = [line for line in r.stdout.splitlines() if re.fullmatch(r"\d+\.\d s: gpu0 55\.0 W.*", line)]
     assert len(readings) >= 3, r.stdout
+
+
+def test_a_reader_gone_early_still_gets_the_exit_code_and_the_timeline(tmp_path: Path) -> None:
+    # `joules measure --json ... | head -1`: the pipe closes before the report is written.
+    timeline = tmp_path / "tl.csv"
+    script = (f"( {JOULES} measure --sim H100 --json --timeline {timeline} -- "
+              "sh -c 'sleep 0.3; exit 4'; echo rc=$? >&2 ) | true")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert "rc=4" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert timeline.read_text().startswith("time_s")
+    timeline = tmp_path / "power.csv"
+    script = (f"( {JOULES} power --sim A100 --json --interval 0.1 --duration 3 --timeline {timeline}; "
+              "echo rc=$? >&2 ) | head -1")
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert json.loads(r.stdout)["power_w"]["gpu0"] > 0
+    assert "rc=0" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert timeline.read_text().startswith("time_s")
+
+
+def test_a_long_command_does_not_bury_the_numbers() -> None:
+    r = joules("measure", "--sim", "H100", "--", "python3", "-c", "x=1;" * 5000)
+    assert r.returncode == 0
+    assert len(r.stderr.splitlines()) < 20 and "total" in r.stderr

@@ -49,6 +49,22 @@ def check_duration(name: str, value: float | None) -> None:
         raise JoulesError(f"{name} must be at most {MAX_DURATION_S:,.0f} s, got {value:g}")
 
 
+def print_out(text: str) -> bool:
+    """Print a line on stdout; ``False`` (and stdout silenced) when its reader has gone.
+
+    ``joules measure --json | head -1`` closes the pipe early: what is left to do (the
+    timeline, the command's exit code) still happens, and nothing more is written there.
+    """
+    try:
+        print(text, flush=True)
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's own flush at exit fails no more
+        os.close(devnull)
+        return False
+
+
 def use_sim(sim: str | None) -> None:
     """Apply a command's ``--sim`` option (it wins over the environment), checking it first."""
     if sim is not None:

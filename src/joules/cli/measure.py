@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from joules.cli import SIM_HELP, parse_indices, use_sim
+from joules.cli import SIM_HELP, parse_indices, print_out, use_sim
 from joules.errors import JoulesError
 from joules.monitoring.measurement import Measurement
 from joules.monitoring.monitor import EnergyMonitor
@@ -42,12 +42,18 @@ def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict
     }
 
 
+_MAX_TITLE = 200  # characters of a command shown above its table
+
+
 def measurement_table(m: Measurement, title: str) -> Table:
     """A table of time, energy and average power per device."""
+    if len(title) > _MAX_TITLE:  # a long command would bury the numbers (--json has it whole)
+        title = title[: _MAX_TITLE - 1] + "…"
     t = Table(title=Text(title))  # plain text: a command's ``[...]`` is not markup
     for col, justify in (("device", "left"), ("energy (J)", "right"), ("± (J)", "right"),
                          ("avg power (W)", "right"), ("source", "left")):
-        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+        # Numbers are never cut short on a narrow terminal: they fold onto more lines.
+        t.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for prefix, zones in (("GPU", m.gpu), ("CPU", m.cpu), ("DRAM", m.dram)):
         for k, d in zones.items():
             power = d.energy_j / m.elapsed_s if m.elapsed_s > 0 else 0.0
@@ -185,12 +191,11 @@ def register(app: typer.Typer) -> None:
             code, m = run_measured(command, monitor)  # CommandNotRunError: main() exits 126/127
         finally:
             monitor.close()
+        export_timeline(monitor, timeline)  # first: the report's reader may be gone
         if as_json:
-            print(json.dumps(measurement_json(command, code, m)))
+            print_out(json.dumps(measurement_json(command, code, m)))
         else:
             Console(stderr=True).print(measurement_table(m, shlex.join(command)))
-        sys.stdout.flush()
-        export_timeline(monitor, timeline)
         if code == 128 + signal.SIGINT:
             # The command died of Ctrl-C: so does joules, once the report is out, so that a
             # shell loop around it stops too (a shell goes on when a command exits 130).

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from joules.cli import SIM_HELP, check_duration, use_sim
+from joules.cli import SIM_HELP, check_duration, print_out, use_sim
 from joules.cli.measure import (
     check_timeline_path,
     export_timeline,
@@ -111,23 +111,29 @@ def register(app: typer.Typer) -> None:
                     reading = sample()
                     elapsed = time.monotonic() - start
                     if as_json:
-                        print(json.dumps({"time_s": round(elapsed, 3), "power_w": reading}), flush=True)
+                        line = json.dumps({"time_s": round(elapsed, 3), "power_w": reading})
                     elif live_view:
                         live.update(_table(reading, elapsed), refresh=True)
+                        continue
                     else:
-                        print(_line(reading, elapsed), flush=True)
+                        line = _line(reading, elapsed)
+                    if not print_out(line):  # the reader has gone (| head): stop as on Ctrl-C
+                        break
         except KeyboardInterrupt:
             pass
         finally:
             signal.signal(signal.SIGTERM, previous_term)
             m = monitor.end_window("power")
             monitor.close()
+        export_timeline(monitor, timeline)  # first: the totals' reader may be gone
         if as_json:
-            print(json.dumps({"time_s": m.elapsed_s, "energy_j": {
+            print_out(json.dumps({"time_s": m.elapsed_s, "energy_j": {
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
                 **{f"cpu{k}": v for k, v in m.cpu_energy_j.items()},
                 **{f"dram{k}": v for k, v in m.dram_energy_j.items()},
-            }, "total_energy_j": m.total_energy_j}), flush=True)
+            }, "total_energy_j": m.total_energy_j}))
         else:
-            console.print(measurement_table(m, "energy"))
-        export_timeline(monitor, timeline)
+            try:
+                console.print(measurement_table(m, "energy"))
+            except BrokenPipeError:
+                print_out("")  # silences stdout for the interpreter's exit
