@@ -268,6 +268,7 @@ def test_healthz_and_metrics(bso_server: Served) -> None:
         report(c, job, trial, 1)
         report(c, job, trial, 1)
         report(c, job, trial, 2, metric=0.95)
+        assert c.get("/openapi.json").status_code == 200 and c.get("/no/such/path").status_code == 404
         # Several calls: the two workers each answer some; /metrics adds them up.
         after = [c.get("/metrics") for _ in range(4)][-1]
     assert after.headers["content-type"].startswith("text/plain")
@@ -282,6 +283,8 @@ def test_healthz_and_metrics(bso_server: Served) -> None:
     assert delta("joules_bso_trials_ended_total", 'outcome="reached"') == 1
     assert delta("joules_bso_requests_total",
                  'method="POST",route="/jobs/{job_id}/trials/{trial_id}/epochs",status="200"') == 3
+    assert delta("joules_bso_requests_total", 'method="GET",route="/openapi.json",status="200"') == 1
+    assert delta("joules_bso_requests_total", 'method="GET",route="unmatched",status="404"') == 1
     assert "joules_bso_request_duration_seconds_bucket" in text
 
 

@@ -161,7 +161,12 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            template = getattr(route, "path", None)
+            if template is None and 200 <= status[0] < 300:
+                # A fixed path of the app's own that is no API route (/docs, /openapi.json): only
+                # those answer 2xx without one, so the label set stays bounded.
+                template = scope.get("path")
+            template = template or "unmatched"
             method = scope.get("method", "")
             self.metrics.requests.labels(method, template, str(status[0])).inc()
             self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)
