@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,50 @@ def test_a_log_write_that_fails_warns_and_the_measurement_is_still_returned(tmp_
     assert m.gpu_energy_j[0] == pytest.approx(sim.gpus[0].power_w(), rel=0.05)
     assert monitor.last["b"] is m
     monitor.close()
+
+
+def test_several_writers_of_one_new_csv_file_write_one_header(tmp_path: Path) -> None:
+    # Ranks of one job logging to one file, each with its own log object, made while it was empty.
+    path = tmp_path / "windows.csv"
+    columns = WindowLog.csv_columns([0], [0], [])
+    logs = [WindowLog(path, columns=columns) for _ in range(4)]
+    for log in logs:
+        log._open()  # as when they all open it at once, before any header is there
+    for i, log in enumerate(logs):
+        log.write(window(f"rank{i}", 100.0 + i, 10.0 + i))
+    for log in logs:
+        log.write(window("again", 1.0, 20.0))
+        log.close()
+    rows = list(csv.reader(path.open(newline="")))
+    assert [r[0] for r in rows].count("name") == 1 and len(rows) == 9
+    other = WindowLog(path)  # another writer's header is checked too, once the file has one
+    with pytest.raises(ValueError, match="other devices"):
+        other.write(Measurement("gpu1", 15.0, 1.0, gpu={1: DeviceEnergy(9.0, Source.COUNTER)}, host="h"))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_while_a_parent_thread_held_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "windows.jsonl"
+    log = WindowLog(path)
+    log.write(window("parent", 1.0, 1.0))
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with log._lock:
+            taken.set()
+            release.wait(20)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert taken.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: its lock is free, its file its own
+        signal.alarm(10)
+        try:
+            log.write(window("child", 2.0, 2.0))
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert os.waitstatus_to_exitcode(status) == 0  # not killed by the alarm: it did not hang
+    names = [json.loads(line)["name"] for line in path.read_text().splitlines()]
+    assert names == ["parent", "child"]

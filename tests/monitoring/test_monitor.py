@@ -1241,3 +1241,22 @@ def test_a_forked_child_samples_again() -> None:
     assert parent[0] == "sampled" and parent[2]
     assert got[0] == "sampled" and got[2], got
     assert got[1] < 5.0, got  # was the worst case (0 W to the highest limit): about 100 J
+
+
+def test_a_csv_log_begun_for_other_devices_by_another_monitor_keeps_the_window(tmp_path: Path) -> None:
+    # Both made while the file is empty (ranks starting together): the second to write cannot.
+    sim = Simulator("A100x2,nocpu")
+    path = tmp_path / "windows.csv"
+    a = EnergyMonitor(devices=sim.devices(), log=path)
+    b = EnergyMonitor(devices=sim.devices(), gpu_indices=[0], log=path)
+    try:
+        a.begin_window("x")
+        b.begin_window("y")
+        sim.advance(0.5)
+        a.end_window("x")
+        with pytest.warns(RuntimeWarning, match="not written to the window log.*other devices"):
+            m = b.end_window("y")
+        assert m.gpu[0].energy_j > 0 and b.last["y"] is m
+    finally:
+        a.close()
+        b.close()

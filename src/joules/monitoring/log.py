@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
+from joules.devices.base import renew_locks_after_fork
 from joules.monitoring.measurement import Measurement
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: one process per CSV log there
+    fcntl = None  # type: ignore[assignment]
 
 
 class WindowLog:
@@ -21,6 +28,10 @@ class WindowLog:
     closed again). Thread-safe. A file that ends in a cut-off line (a job killed while writing
     it) gets a newline before the first record, so that the broken line does not take that
     record with it.
+
+    Several monitors, in one process or several (one per rank), may append to one file: a CSV
+    file's header is written once, by whichever writes first (under an exclusive lock on the
+    file), and every other writer checks its devices against it.
 
     A CSV file has one column per device, so every row must have the same devices. Given
     ``columns`` (:meth:`csv_columns` of the devices measured), a CSV file that already has
@@ -39,6 +50,7 @@ class WindowLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
+        renew_locks_after_fork(self, WindowLog._after_fork_in_child)
         self._closed = False
         self._cut_line = False
         self._csv_columns: list[str] | None = None
@@ -46,6 +58,11 @@ class WindowLog:
             existing = self._existing_header()
             if existing is not None and set(existing) != set(columns):
                 raise ValueError(self._mismatch(existing, list(columns)))
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child: a free lock (the parent's may have been held), and a file of its own."""
+        self._lock = threading.Lock()
+        self._file = None  # reopened on the next write; the parent's buffer stays the parent's
 
     @staticmethod
     def csv_columns(gpus: Sequence[int], cpus: Sequence[int], drams: Sequence[int]) -> list[str]:
@@ -125,18 +142,35 @@ class WindowLog:
                     f.write(json.dumps(m.to_dict()) + "\n")
                 else:
                     row = self._row(m)
-                    if self._csv_columns is not None and set(row) != set(self._csv_columns):
-                        raise ValueError(self._mismatch(self._csv_columns, list(row)))
-                    self._end_cut_line(f)
-                    if self._csv_columns is None:
-                        self._csv_columns = list(row)
-                        csv.writer(f).writerow(self._csv_columns)
-                    csv.DictWriter(f, self._csv_columns).writerow(row)
+                    with self._file_lock(f):
+                        if self._csv_columns is None and os.fstat(f.fileno()).st_size > 0:
+                            self._csv_columns = self._existing_header()  # another writer's header
+                        if self._csv_columns is not None and set(row) != set(self._csv_columns):
+                            raise ValueError(self._mismatch(self._csv_columns, list(row)))
+                        self._end_cut_line(f)
+                        if self._csv_columns is None:
+                            self._csv_columns = list(row)
+                            csv.writer(f).writerow(self._csv_columns)
+                        csv.DictWriter(f, self._csv_columns).writerow(row)
+                        f.flush()
                 f.flush()
             finally:
                 if self._closed:
                     f.close()
                     self._file = None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _file_lock(f: IO[str]) -> Iterator[None]:
+        """Hold an exclusive lock on the open file (other processes' writers wait for it)."""
+        if fcntl is None:
+            yield
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Close the file (idempotent); a later :meth:`write` still appends."""

@@ -356,7 +356,8 @@ class EnergyMonitor:
         if self._log is not None:
             try:
                 self._log.write(m)
-            except OSError as e:  # a full disk or a removed folder must not lose the measurement
+            except (OSError, ValueError) as e:  # a full disk, a removed folder, a CSV file another
+                # monitor began for other devices: none of them may lose the measurement
                 warnings.warn(f"window {m.name!r} not written to the window log: {e}", RuntimeWarning,
                               stacklevel=3)
         return m
