@@ -1260,3 +1260,30 @@ def test_a_csv_log_begun_for_other_devices_by_another_monitor_keeps_the_window(t
     finally:
         a.close()
         b.close()
+
+
+def test_sampled_bounds_cover_bursty_windows_but_for_unseen_changes() -> None:
+    # A P100 (no counter) under bursty loads: the end edge extrapolates a reading up to one
+    # sensor period old, which the bound now includes. What is left out of it is a change no
+    # reading has seen yet (documented), about one window in a hundred at most.
+    rng = random.Random(5)
+    n = over = 0
+    worst = 0.0
+    for _ in range(8):
+        sim = Simulator("P100,nocpu")
+        sim.set_workload(Periodic([(rng.uniform(0.05, 0.5), rng.uniform(0.0, 1.0)) for _ in range(3)]))
+        mon = EnergyMonitor(devices=sim.devices())
+        sim.advance(2.0)
+        for _ in range(50):
+            sim.advance(rng.uniform(0, 0.3))
+            before = sim.true_gpu_energy_j()[0]
+            mon.begin_window("w")
+            sim.advance(rng.choice([0.1, 0.3, 1.0]))
+            d = mon.end_window("w").gpu[0]
+            err = abs(d.energy_j - (sim.true_gpu_energy_j()[0] - before))
+            n += 1
+            if d.source is Source.SAMPLED and err > d.uncertainty_j:
+                over += 1
+                worst = max(worst, err / d.uncertainty_j)
+        mon.close()
+    assert over <= 0.01 * n and worst < 2.0, (over, n, worst)  # were 7 of 400, up to 2.3x

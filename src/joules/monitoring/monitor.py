@@ -581,8 +581,10 @@ class EnergyMonitor:
                 spread = self.sampler.power_spread(g.index)
                 # Edges fall up to one interval from a sample: power may differ by the spread
                 # there, however short the window (a sample taken inside a short window
-                # revises the power assumed at its begin edge).
-                uncertainty = spread * 2 * interval + _GPU_POWER_RESOLUTION_W * elapsed
+                # revises the power assumed at its begin edge). The end edge's latest reading
+                # may also be one sensor period old: the power since is extrapolated.
+                lag = 2 * interval + (g.power_update_period_s() or 0.0)
+                uncertainty = spread * lag + _GPU_POWER_RESOLUTION_W * elapsed
                 if source is Source.ESTIMATE:
                     uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
             gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
