@@ -58,11 +58,8 @@ from typing import Any
 
 from joules.devices.base import GPU
 from joules.errors import JoulesError
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on Windows
-    fcntl = None  # type: ignore[assignment]
+from joules.filelock import AVAILABLE as _FLOCK
+from joules.filelock import exclusive
 
 STATE_ENV = "JOULES_STATE_DIR"
 # Format 1. Each GPU's entry: uuid, index, name, power_limit_w (the original, or null),
@@ -231,7 +228,7 @@ def _directory_lock(directory: Path) -> Iterator[None]:
     """
     with _holding_signals(), _LOCK:
         f = None
-        if fcntl is not None:
+        if _FLOCK:
             with contextlib.suppress(OSError):
                 directory.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):
@@ -239,12 +236,8 @@ def _directory_lock(directory: Path) -> Iterator[None]:
         if f is None:
             yield
             return
-        with f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with f, exclusive(f):
+            yield
 
 
 @dataclass(frozen=True)

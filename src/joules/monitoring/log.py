@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
 from joules.devices.base import renew_locks_after_fork
+from joules.filelock import exclusive
 from joules.monitoring.measurement import Measurement
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on Windows: one process per CSV log there
-    fcntl = None  # type: ignore[assignment]
 
 
 class WindowLog:
@@ -142,7 +137,7 @@ class WindowLog:
                     f.write(json.dumps(m.to_dict()) + "\n")
                 else:
                     row = self._row(m)
-                    with self._file_lock(f):
+                    with exclusive(f):  # other processes' writers wait
                         if self._csv_columns is None and os.fstat(f.fileno()).st_size > 0:
                             self._csv_columns = self._existing_header()  # another writer's header
                         if self._csv_columns is not None and set(row) != set(self._csv_columns):
@@ -158,19 +153,6 @@ class WindowLog:
                 if self._closed:
                     f.close()
                     self._file = None
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _file_lock(f: IO[str]) -> Iterator[None]:
-        """Hold an exclusive lock on the open file (other processes' writers wait for it)."""
-        if fcntl is None:
-            yield
-            return
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Close the file (idempotent); a later :meth:`write` still appends."""

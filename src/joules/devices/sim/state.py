@@ -15,7 +15,6 @@ replaces the file atomically, so several processes may share one state file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from joules.devices.sim.gpu import SimGPU
+from joules.filelock import exclusive
 
 FORMAT = 1
 
@@ -43,12 +43,8 @@ class SimStateFile:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with open(self.lock_path, "a") as lock, exclusive(lock):
+            yield
 
     def load(self) -> dict[str, dict[str, Any]]:
         """The recorded GPUs by index (as a string); empty when the file is missing or unreadable."""

@@ -48,6 +48,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from joules.errors import JoulesError
+from joules.filelock import exclusive
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "bso_alembic_version"
@@ -349,17 +350,9 @@ def alembic_config(connection: Any = None) -> Any:
 def _sqlite_file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` (created), held by this process across the block."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        try:
-            import fcntl
-        except ImportError:  # Windows: BEGIN IMMEDIATE below still serializes the upgrade.
-            yield
-            return
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    # Without flock (Windows), BEGIN IMMEDIATE below still serializes the upgrade.
+    with open(path, "a+b") as f, exclusive(f):
+        yield
 
 
 def upgrade(db: Database, revision: str = "head") -> None:
