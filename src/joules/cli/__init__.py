@@ -59,10 +59,18 @@ def print_out(text: str) -> bool:
         print(text, flush=True)
         return True
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's own flush at exit fails no more
-        os.close(devnull)
+        silence_stdout()
         return False
+
+
+def silence_stdout() -> None:
+    """Point stdout at ``/dev/null`` once its reader has gone.
+
+    The interpreter's own flush at exit then fails no more.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def use_sim(sim: str | None) -> None:

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from joules.cli import SIM_HELP, check_duration, print_out, use_sim
+from joules.cli import SIM_HELP, check_duration, print_out, silence_stdout, use_sim
 from joules.cli.measure import (
     check_timeline_path,
     export_timeline,
@@ -136,4 +136,4 @@ def register(app: typer.Typer) -> None:
             try:
                 console.print(measurement_table(m, "energy"))
             except BrokenPipeError:
-                print_out("")  # silences stdout for the interpreter's exit
+                silence_stdout()

@@ -21,8 +21,8 @@ Hygon the RAPL counters have package scope: kernels that make die zones there (t
 CPUID 0x80000026 topology, before the fix that went back to package zones) show the same
 package counter in every die zone of a package, so one zone per package is kept and the
 package is one :class:`RaplCPU` (adding the die zones up would count it once per die). Without
-``/proc/cpuinfo``, die zones of a package that all read the same non-zero counter are taken
-as one such package.
+``/proc/cpuinfo``, die zones of a package whose counters all read non-zero and within 1 J of
+each other (one counter read several times) are taken as one such package.
 
 Subzones also appear at the top level (``intel-rapl:0:2``); either place is searched.
 Zones named ``amd-rapl:N`` are read the same way, and ``intel-rapl-mmio:N`` zones are used
@@ -404,7 +404,8 @@ def _package_scope(chosen: dict[tuple[int, int], tuple[str, Path]],
     """One zone per package where the die zones show one package counter.
 
     That is every multi-die package on AMD and Hygon (package-scope RAPL); with the vendor
-    unknown, a package whose die zones all read the same non-zero ``energy_uj``. The first
+    unknown, a package whose die zones' ``energy_uj`` all read non-zero and within
+    ``_SAME_COUNTER_UJ`` of each other. The first
     die's zone then stands for the package (as a whole-package zone, die ``-1``).
     """
     dies: dict[int, list[tuple[int, tuple[str, Path]]]] = {}

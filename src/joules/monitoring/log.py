@@ -135,6 +135,7 @@ class WindowLog:
                 if self.path.suffix == ".jsonl":
                     self._end_cut_line(f)
                     f.write(json.dumps(m.to_dict()) + "\n")
+                    f.flush()
                 else:
                     row = self._row(m)
                     with exclusive(f):  # other processes' writers wait
@@ -147,8 +148,7 @@ class WindowLog:
                             self._csv_columns = list(row)
                             csv.writer(f).writerow(self._csv_columns)
                         csv.DictWriter(f, self._csv_columns).writerow(row)
-                        f.flush()
-                f.flush()
+                        f.flush()  # before the file lock is let go
             finally:
                 if self._closed:
                     f.close()
