@@ -30,8 +30,9 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
        starts to cost more than the blocked energy it saves), every half unit,
        the relaxed plan that fits is rounded down to real options (so the time still holds)
        and improved greedily: while a computation has float for a slower, cheaper option,
-       the move saving the most is taken, with the saving moves at its depth in the DAG. Each plan is also improved again at the next slower
-       time (a second candidate there). All iteration times at once, with NumPy.
+       the move saving the most is taken, with the saving moves at its depth in the DAG.
+       Each plan is also improved again at the next slower time (a second candidate there).
+       All iteration times at once, with NumPy.
     3. The frontier is the lower envelope of these plans, evaluated with real times.
 
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
