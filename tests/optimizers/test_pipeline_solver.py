@@ -270,38 +270,3 @@ def test_auto_does_not_solve_exactly_a_problem_the_unit_has_coarsened() -> None:
     assert auto.meta["method"] == "fast"
     assert auto.fastest.energy_j < 0.9 * auto.max_frequency.energy_j
     assert auto.fastest.time_s == pytest.approx(auto.max_frequency.time_s)
-
-
-def test_greedy_moves_a_whole_depth_per_round_and_keeps_every_deadline(monkeypatch) -> None:
-    # The greedy improvement applies, with each round's best move, every saving move at the
-    # same depth of the DAG. Checked on a 4 x 8 pipeline from the fastest plan at many
-    # deadlines: every improved plan fits its deadline, no computation is left with float
-    # for a cheaper option, and it takes well under one round per move.
-    dag = build_dag("1f1b", 4, 8)
-    profile = synthetic_profile(4, "v100", seed=3)
-    p = Problem.build(dag, profile, blocking_power_w("v100"), solver_module.FINE_UNIT_S)
-    batch = solver_module._Batch(p)
-    fastest = p.makespan([ds[0] for ds in p.durations])
-    slowest = p.makespan([ds[-1] for ds in p.durations])
-    deadlines = np.linspace(fastest, slowest, 40).astype(np.int64)
-    start = np.zeros((len(deadlines), len(p.durations)), dtype=np.int64)
-    rounds = 0
-    ends = batch.earliest_ends
-
-    def counted(dur):
-        nonlocal rounds
-        rounds += 1
-        return ends(dur)
-
-    monkeypatch.setattr(batch, "earliest_ends", counted)
-    improved = batch.improve(start, deadlines)
-    moves = int((improved != start).sum())
-    monkeypatch.setattr(batch, "earliest_ends", ends)
-    durations = batch.durations_of(improved)
-    assert (batch.makespan(durations) <= deadlines).all()
-    # No single computation can still be slowed to a cheaper option within its float.
-    again = batch.improve(improved, deadlines)
-    assert (again == improved).all()
-    per_row = moves / len(deadlines)
-    assert per_row > 20
-    assert rounds < 0.6 * per_row
