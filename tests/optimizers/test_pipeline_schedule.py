@@ -105,6 +105,8 @@ def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
         ("stage,instruction,frequency,time,time\n0,forward,1,2,3\n", "header names 'time' more than once"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1,1e308\n", "energy '1e308' is beyond 1e"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1e300,1\n", "time '1e300' is beyond 86400"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1,200,0.034,8.0\n",
+         "line 2: 6 fields where the header has 5 .*a comma inside a number"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1," + "9" * 200_000 + "\n",
          "line 2: field larger than field limit"),
     ],

@@ -79,13 +79,13 @@ def plan(
     from joules.optimizers.pipeline.picture import save_picture
     from joules.optimizers.pipeline.profile import PipelineProfile
     from joules.optimizers.pipeline.schedule import build_dag
-    from joules.optimizers.pipeline.solver import FINE_UNIT_S, METHODS, solve
+    from joules.optimizers.pipeline.solver import FINE_UNIT_S, MAX_UNIT_S, METHODS, solve
 
     name = _schedule(schedule)
     _check_out_directory(out)
-    if not (math.isfinite(unit_time) and unit_time >= FINE_UNIT_S):
+    if not FINE_UNIT_S <= unit_time <= MAX_UNIT_S:
         raise JoulesError(f"bad --unit-time {unit_time:g} "
-                          f"(expected a finite number of seconds, at least {FINE_UNIT_S:g})")
+                          f"(expected a number of seconds from {FINE_UNIT_S:g} to {MAX_UNIT_S:g})")
     if not (math.isfinite(p2p_power) and p2p_power >= 0):
         raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected a finite number of watts, at least 0)")
     parts = [PipelineProfile.from_csv(p) for p in profile]

@@ -172,6 +172,12 @@ class PipelineProfile:
                     f"{path}: missing column(s) {', '.join(missing)}; expected header {','.join(COLUMNS)}"
                 )
             for raw in reader:
+                extra = raw.get(None)  # type: ignore[call-overload]
+                if extra:
+                    raise PipelineProfileError(
+                        f"{path}, line {reader.line_num}: {len(header) + len(extra)} fields where the "
+                        f"header has {len(header)} ({', '.join(header)}); a comma inside a number?"
+                    )
                 row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
                 # The file's own line number (blank lines are skipped, yet counted).
                 rows.append(_parse_row(path, reader.line_num, row))

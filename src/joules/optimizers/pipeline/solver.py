@@ -69,6 +69,7 @@ EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exac
 PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
 SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
+MAX_UNIT_S = 3600.0  # the longest unit time accepted (an hour)
 _INF = 1 << 62
 
 
@@ -651,15 +652,15 @@ def exact_points(p: Problem) -> list[tuple[int, float, list[int]]]:
 # -- the solver ------------------------------------------------------------------------------------
 
 def _check_unit_time(unit_time_s: float) -> None:
-    """Refuse a unit time that is not a finite number of seconds of at least ``FINE_UNIT_S``.
+    """Refuse a unit time that is not a number of seconds from ``FINE_UNIT_S`` to ``MAX_UNIT_S``.
 
     Raises:
         ValueError: ``unit_time_s`` is below 1 µs (the fast method's own unit; the exact
-            method would count in more units than it can search), infinite or NaN.
+            method would count in more units than it can search), above an hour, or NaN.
     """
-    if not (math.isfinite(unit_time_s) and unit_time_s >= FINE_UNIT_S):
-        raise ValueError(f"unit time must be a finite number of seconds, at least {FINE_UNIT_S:g} "
-                         f"(got {unit_time_s})")
+    if not FINE_UNIT_S <= unit_time_s <= MAX_UNIT_S:
+        raise ValueError(f"unit time must be a number of seconds from {FINE_UNIT_S:g} to {MAX_UNIT_S:g} "
+                         f"(got {unit_time_s:g})")
 
 
 def solve(
