@@ -160,6 +160,32 @@ def test_plan_errors_are_one_line(fake_solver, profile_csv: Path, tmp_path: Path
     assert fake_solver == []
 
 
+def test_plan_never_overwrites_a_profile_it_joins(fake_solver, profile_csv: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # Per-rank files joined into one: the joined copy goes to DIR/profile.csv, so an input
+    # there would lose its raw rows (duplicates are averaged in the copy).
+    header, *rows = profile_csv.read_text().splitlines()
+    out = tmp_path / "plans"
+    out.mkdir()
+    first = out / "profile.csv"
+    first.write_text("\n".join([header, *(r for r in rows if r.startswith("0,")), rows[0]]) + "\n")
+    rest = tmp_path / "rest.csv"
+    rest.write_text("\n".join([header, *(r for r in rows if not r.startswith("0,"))]) + "\n")
+    before = first.read_text()
+    args = ["pipeline", "plan", "--profile", str(first), "--profile", str(rest), "--stages", "3",
+            "--microbatches", "4", "--out", str(out)]
+    assert main(args) == 2
+    assert error_line(capsys) == (f"joules: error: --profile {first} is where the joined profile is "
+                                  "written; move it, or give another --out")
+    assert first.read_text() == before and fake_solver == []
+    moved = tmp_path / "rank0.csv"
+    first.rename(moved)
+    args[3] = str(moved)
+    assert main([*args, "--json"]) == 0
+    capsys.readouterr()
+    assert moved.read_text() == before and first.exists() and len(fake_solver) == 1
+
+
 def test_plan_out_must_be_a_directory(fake_solver, profile_csv: Path, tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     taken = tmp_path / "taken"

@@ -88,6 +88,11 @@ def plan(
                           f"(expected a number of seconds from {FINE_UNIT_S:g} to {MAX_UNIT_S:g})")
     if not (math.isfinite(p2p_power) and p2p_power >= 0):
         raise JoulesError(f"bad --p2p-power {p2p_power:g} (expected a finite number of watts, at least 0)")
+    copy = out / PROFILE_COPY
+    if len(profile) > 1 and any(p.resolve() == copy.resolve() for p in profile):
+        # The joined profile is written there: it would replace an input and lose its raw rows.
+        raise JoulesError(f"--profile {copy} is where the joined profile is written; move it, or "
+                          f"give another --out")
     parts = [PipelineProfile.from_csv(p) for p in profile]
     prof = parts[0] if len(parts) == 1 else PipelineProfile.merge(parts)
     prof.check_covers(stages)
@@ -105,7 +110,6 @@ def plan(
     frontier = solve(dag, prof, p2p_power, unit_time, method=method)
     frontier.meta.setdefault("profile_file", PROFILE_COPY)
     frontier.save(out)
-    copy = out / PROFILE_COPY
     if not (len(profile) == 1 and copy.exists() and copy.resolve() == profile[0].resolve()):
         prof.to_csv(copy)
     save_picture(out / PICTURE, dag, prof, frontier.fastest)
