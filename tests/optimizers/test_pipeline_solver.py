@@ -270,3 +270,31 @@ def test_auto_does_not_solve_exactly_a_problem_the_unit_has_coarsened() -> None:
     assert auto.meta["method"] == "fast"
     assert auto.fastest.energy_j < 0.9 * auto.max_frequency.energy_j
     assert auto.fastest.time_s == pytest.approx(auto.max_frequency.time_s)
+
+
+@pytest.mark.parametrize("method", ["auto", "exact"])
+def test_exact_keeps_the_fastest_real_plan_that_rounding_ties_with_a_slower_one(method: str) -> None:
+    # At a 1 ms unit, the all-fastest plan (26.50 ms) and a cheaper 27.00 ms plan round to the
+    # same number of units, so the rounded problem drops the faster one; the frontier must
+    # still start at the fastest real time, with the least energy there (by brute force).
+    rows = [
+        (0, "forward", 1410, 0.00702, 1.194641), (0, "forward", 1200, 0.00902, 1.932368),
+        (0, "forward", 1000, 0.0115, 1.381183), (0, "backward", 1410, 0.00598, 1.41104),
+        (0, "backward", 1200, 0.00798, 1.563981), (0, "backward", 1000, 0.00902, 1.398362),
+        (1, "forward", 1410, 0.0035, 0.780454), (1, "forward", 1200, 0.0055, 0.97354),
+        (1, "forward", 1000, 0.00702, 1.134545), (1, "backward", 1410, 0.00298, 0.709033),
+        (1, "backward", 1200, 0.00402, 0.563985), (1, "backward", 1000, 0.0065, 1.183804),
+    ]
+    profile = PipelineProfile.from_rows(rows)
+    dag = build_dag("1f1b", 2, 2)
+    frontier = solve(dag, profile, 0.0, 0.001, method=method)
+    assert frontier.meta["method"] == "exact"
+    options = [profile.of(c.stage, c.kind) for c in dag.nodes]
+    fastest = min(evaluate(dag, profile, [o.frequency for o in combo], 0.0).time_s
+                  for combo in itertools.product(*options))
+    least = min(p.energy_j for combo in itertools.product(*options)
+                if (p := evaluate(dag, profile, [o.frequency for o in combo], 0.0)).time_s <= fastest + 1e-12)
+    assert frontier.fastest.time_s == pytest.approx(fastest) == pytest.approx(0.0265)
+    assert frontier.fastest.time_s == pytest.approx(frontier.max_frequency.time_s)
+    assert frontier.fastest.energy_j == pytest.approx(least)
+    assert frontier.plan_for_time(0.0265).time_s == pytest.approx(0.0265)

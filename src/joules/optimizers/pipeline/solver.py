@@ -15,7 +15,9 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
     Branch and bound over every computation's options (topological order, times rounded
     down to whole units; a partial plan is dropped when a plan found is at least as fast as
     its fastest completion and no costlier than its cheapest). Exact on the rounded
-    problem; exponential in the worst case, so for small pipelines.
+    problem; exponential in the worst case, so for small pipelines. Rounding can tie the
+    fastest real plan with a slower, cheaper one, so the all-fastest plan, improved greedily
+    on real times, is added.
 
 ``"fast"``
     1. The convex relaxation, in microseconds: each computation's options are replaced by
@@ -703,6 +705,9 @@ def solve(
             method = "exact" if p.combinations() == fine.combinations() else "fast"
         if method == "exact":
             plans = [p.plan(c) for _, _, c in exact_points(p)]
+            # Rounded times can make the fastest real plan tie with a slower, cheaper one, which
+            # then drops it: the fastest time is planned on real times too.
+            plans += _fastest(fine or Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S))
         else:
             method = "fast"
     if method == "fast":
@@ -819,6 +824,14 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     rows = np.vstack([rows, again[(again != rows[1:]).any(axis=1)]])
     return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
                                "refreshes": walker.refreshes, "deadlines": len(deadlines)}
+
+
+def _fastest(p: Problem) -> list[Plan]:
+    """The all-fastest plan, improved greedily at its own iteration time (in ``p``'s units)."""
+    batch = _Batch(p)
+    n = len(p.durations)
+    t_min = p.makespan([ds[0] for ds in p.durations])
+    return batch.plans(batch.improve(np.zeros((1, n), dtype=np.int64), np.array([t_min], dtype=np.int64)))
 
 
 def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> list[int] | None:
