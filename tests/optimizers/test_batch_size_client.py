@@ -598,6 +598,13 @@ def test_power_limit_false_and_default_max_power():
     assert bso.power_limit_optimizer is None
 
 
+@pytest.mark.parametrize("backoff", [-1.0, math.nan])
+def test_a_bad_backoff_is_refused(backoff: float):
+    _, monitor = make_sim()
+    with pytest.raises(ValueError, match="backoff_s must be >= 0"):
+        BatchSizeOptimizer(monitor, URL, JOB, backoff_s=backoff)
+
+
 def test_a_bad_job_spec_names_the_field():
     _, monitor = make_sim()
     with pytest.raises(ValueError, match="default_batch_size 48 is not one of batch_sizes"):

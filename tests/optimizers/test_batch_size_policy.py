@@ -56,6 +56,7 @@ def test_make_policy_and_bad_configs() -> None:
                       ({"batch_sizes": (32, 32, 64)}, "distinct"),
                       ({"batch_sizes": ()}, "empty"),
                       ({"eta": 1.5}, "eta"), ({"beta": 1.0}, "beta"), ({"window_size": -1}, "window_size"),
+                      ({"window_size": 1.5}, "window_size must be an integer"),
                       ({"max_epochs": 0}, "max_epochs")]:
         with pytest.raises(ValueError, match=match):
             make_policy(config(kw.pop("variant", "nsdi23"), **kw))  # type: ignore[arg-type]
@@ -346,6 +347,17 @@ def test_observe_rejects_unknown_batch_sizes_and_bad_costs() -> None:
         policy.observe(state, TrialResult(48, R, 1.0))
     with pytest.raises(ValueError, match="finite"):
         policy.observe(state, TrialResult(64, R, float("nan")))
+    with pytest.raises(ValueError, match="trial epochs must be a finite number, got nan"):
+        policy.observe(state, TrialResult(64, R, 1.0, epochs=float("nan")))  # type: ignore[arg-type]
+
+
+def test_a_numpy_batch_size_keeps_the_state_json_serializable() -> None:
+    import json
+
+    policy = make_policy(config("joules"))
+    state = policy.observe(policy.initial_state(), TrialResult(np.int64(64), R, 1.0, epochs=np.int64(3)))
+    again = json.loads(json.dumps(state))
+    assert again["history"] == [[64, R.value, 1.0, 3]]
 
 
 @pytest.mark.parametrize("variant", ["nsdi23", "joules"])

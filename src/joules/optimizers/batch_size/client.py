@@ -193,7 +193,7 @@ class BatchSizeOptimizer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
-        if backoff_s < 0:
+        if not backoff_s >= 0:  # NaN too
             raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
         if not isinstance(power_limit, bool | Mapping):
             raise ValueError(f"power_limit must be True, False or a dict, got {power_limit!r}")

@@ -107,8 +107,8 @@ def _check_config(config: PolicyConfig) -> None:
         raise ValueError(f"eta must be within [0, 1], got {config.eta:g}")
     if not (config.beta > 1.0 and math.isfinite(config.beta)):
         raise ValueError(f"beta must be a finite number above 1, got {config.beta:g}")
-    if config.window_size < 0:
-        raise ValueError(f"window_size must not be negative, got {config.window_size}")
+    if not isinstance(config.window_size, int) or config.window_size < 0:
+        raise ValueError(f"window_size must be an integer >= 0, got {config.window_size!r}")
     if config.prior_precision < 0 or not math.isfinite(config.prior_precision):
         raise ValueError(f"prior_precision must be finite and not negative, got {config.prior_precision:g}")
     if config.prior_mean is not None and not math.isfinite(config.prior_mean):
@@ -192,6 +192,7 @@ class _BasePolicy(Policy):
         bs = result.batch_size
         if bs not in self.batch_sizes:
             raise ValueError(f"batch size {bs} is not one of the job's {self.batch_sizes}")
+        bs = int(bs)  # a NumPy integer would make the state unserializable
         outcome = TrialOutcome(result.outcome)
         if bs in state["in_flight"]:
             state["in_flight"].remove(bs)
@@ -200,6 +201,8 @@ class _BasePolicy(Policy):
             return state
         if not (math.isfinite(result.cost) and result.cost >= 0):
             raise ValueError(f"trial cost must be finite and not negative, got {result.cost!r}")
+        if not math.isfinite(result.epochs):
+            raise ValueError(f"trial epochs must be a finite number, got {result.epochs!r}")
         state["history"].append([bs, outcome.value, float(result.cost), max(0, int(result.epochs))])
         self._learn(state, bs, outcome, float(result.cost))
         return state

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from joules.optimizers.csvfile import csv_rows
 from joules.optimizers.power_limit.profile import Profile, ProfileError, trace_profiles
 
 
@@ -165,8 +166,7 @@ def load_train_trace(path: str | Path, workload: str, target_metric: float) -> T
     optimizers: set[str] = set()
     targets: set[float] = set()
     seen_workload = False
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
+    with csv_rows(path, TraceError) as reader:
         missing = [c for c in _TRAIN_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")

@@ -79,19 +79,20 @@ def _require(path: str | Path) -> Path:
     return path
 
 
-def _rows(path: Path, needed: Iterable[str]) -> list[dict[str, str]]:
+def _rows(path: Path, needed: Iterable[str]) -> list[tuple[int, dict[str, str]]]:
+    """``(line in the file, row)`` of each row."""
     with csv_rows(path, ProfileError) as reader:
         missing = [c for c in needed if c not in (reader.fieldnames or [])]
         if missing:
             raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
-        return list(reader)
+        return [(reader.line_num, row) for row in reader]
 
 
-def _float(path: Path, row: dict[str, str], column: str) -> float:
+def _float(path: Path, line: int, row: dict[str, str], column: str) -> float:
     try:
         return float(row[column])
     except (TypeError, ValueError):
-        raise ProfileError(f"{path}: {column}={row.get(column)!r} is not a number") from None
+        raise ProfileError(f"{path}, line {line}: {column}={row.get(column)!r} is not a number") from None
 
 
 def load_profile_csv(path: str | Path) -> Profile:
@@ -104,22 +105,22 @@ def load_profile_csv(path: str | Path) -> Profile:
     rows = _rows(path, ("window_name", "elapsed_time"))
     if not rows:
         raise ProfileError(f"{path}: no rows")
-    gpu_cols = [c for c in rows[0] if c.startswith("gpu") and c.endswith("_energy")]
+    gpu_cols = [c for c in rows[0][1] if c.startswith("gpu") and c.endswith("_energy")]
     if not gpu_cols:
         raise ProfileError(f"{path}: no gpuN_energy column")
     totals: dict[float, list[float]] = {}
-    for row in rows:
+    for line, row in rows:
         name = row["window_name"]
         try:
             limit = float(name.rsplit("_", 1)[-1])
         except ValueError:
-            raise ProfileError(f"{path}: window name {name!r} does not end in a limit") from None
+            raise ProfileError(f"{path}, line {line}: window name {name!r} does not end in a limit") from None
         if not (math.isfinite(limit) and limit > 0):
-            raise ProfileError(f"{path}: window name {name!r} ends in {limit:g} W, "
+            raise ProfileError(f"{path}, line {line}: window name {name!r} ends in {limit:g} W, "
                                f"not a positive power limit")
-        energy = sum(_float(path, row, c) for c in gpu_cols)
+        energy = sum(_float(path, line, row, c) for c in gpu_cols)
         t = totals.setdefault(limit, [0.0, 0.0])
-        t[0] += _float(path, row, "elapsed_time")
+        t[0] += _float(path, line, row, "elapsed_time")
         t[1] += energy
     points = tuple(LimitPoint(limit, t, e) for limit, (t, e) in totals.items())
     return Profile(path.stem, points, gpus=len(gpu_cols))
@@ -138,12 +139,16 @@ def trace_profiles(path: str | Path) -> list[Profile]:
     """
     path = _require(path)
     groups: dict[str, list[LimitPoint]] = {}
-    for row in _rows(path, _TRACE_COLUMNS):
+    seen: dict[tuple[str, float], int] = {}
+    for line, row in _rows(path, _TRACE_COLUMNS):
         key = f"{row['dataset']}/{row['network']}/{row['batch_size']}/{row['optimizer']}"
-        t = _float(path, row, "time_per_epoch")
-        groups.setdefault(key, []).append(
-            LimitPoint(_float(path, row, "power_limit"), t, t * _float(path, row, "average_power"))
-        )
+        t = _float(path, line, row, "time_per_epoch")
+        limit = _float(path, line, row, "power_limit")
+        if (key, limit) in seen:
+            raise ProfileError(f"{path}, line {line}: power_limit {limit:g} W of {key} is already on "
+                               f"line {seen[key, limit]}")
+        seen[key, limit] = line
+        groups.setdefault(key, []).append(LimitPoint(limit, t, t * _float(path, line, row, "average_power")))
     return [Profile(name, tuple(points)) for name, points in groups.items()]
 
 
