@@ -98,7 +98,8 @@ def test_load_job_joins_both_traces(tmp_path: Path) -> None:
                                                          "toy,net,32,adam,100,2,60\n"
                                                          "toy,net,32,adam,200,1,90\n"),
      r"summary_power_v100.csv, line 4: power_limit 200 W of toy/net/32/adam is already on line 2"),
-    (lambda d: (d / "summary_train.csv").write_bytes(TRAIN_HEADER.encode() + b"toy,net,32,adam\xe9,1,1,0.5,4\n"),
+    (lambda d: (d / "summary_train.csv").write_bytes(TRAIN_HEADER.encode()
+                                                     + b"toy,net,32,adam\xe9,1,1,0.5,4\n"),
      r"summary_train.csv: not a UTF-8 text file"),
     (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,sgd,200,1,100\n"),
      "no rows for workload toy/net with optimizer adam"),
