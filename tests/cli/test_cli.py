@@ -200,6 +200,19 @@ def test_measure_exits_as_a_shell_when_the_command_cannot_run(command: list[str]
     assert r.stderr.strip().splitlines() == [f"joules: error: {message}: {command[0]}"]
 
 
+def test_measure_refuses_an_empty_command_name_as_a_shell_does() -> None:
+    r = joules("measure", "--sim", "A100", "--", "")
+    assert r.returncode == 127  # bash -c '""' and sh -c '""' say 127 too
+    assert r.stderr.strip().splitlines() == ["joules: error: command not found: '' (an empty command name)"]
+
+
+def test_measure_passes_on_an_exit_code_of_130_without_dying_of_sigint() -> None:
+    # Only a command that died of Ctrl-C makes joules die of SIGINT; exiting with 130 is a code.
+    r = joules("measure", "--sim", "A100", "--json", "--", "sh", "-c", "exit 130")
+    assert r.returncode == 130
+    assert json.loads(r.stdout.strip().splitlines()[-1])["exit_code"] == 130
+
+
 def test_measure_warns_when_no_device_is_found() -> None:
     r = joules("measure", "--sim", "nocpu", "--json", "--", "true")
     assert r.returncode == 0

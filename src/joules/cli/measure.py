@@ -112,7 +112,10 @@ def warn_if_nothing_measured(monitor: EnergyMonitor) -> None:
 
 
 def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
-    """Run ``command`` inside a window; return its exit code and the measurement.
+    """Run ``command`` inside a window; return its exit status and the measurement.
+
+    The status is ``Popen``'s: the exit code, or ``-N`` when the command died of signal ``N``
+    (:func:`shell_code` gives what a shell would report).
 
     Ctrl-C reaches the child (same process group); joules waits for it to end and still
     reports what was measured. SIGTERM sent to joules alone is passed on to the child, and
@@ -122,6 +125,8 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
         CommandNotRunError: The command was not found (exit code 127) or is not executable
             (126), as a shell reports them.
     """
+    if not command[0]:
+        raise CommandNotRunError("command not found: '' (an empty command name)", 127)
     monitor.begin_window("command")
     try:
         try:
@@ -153,7 +158,12 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
     m = monitor.end_window("command")
-    return (128 - code if code < 0 else code), m
+    return code, m
+
+
+def shell_code(status: int) -> int:
+    """The exit code a shell reports for ``Popen`` status ``status`` (128 + N for signal N)."""
+    return 128 - status if status < 0 else status
 
 
 class CommandNotRunError(JoulesError):
@@ -188,17 +198,19 @@ def register(app: typer.Typer) -> None:
         monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
         warn_if_nothing_measured(monitor)
         try:
-            code, m = run_measured(command, monitor)  # CommandNotRunError: main() exits 126/127
+            status, m = run_measured(command, monitor)  # CommandNotRunError: main() exits 126/127
         finally:
             monitor.close()
+        code = shell_code(status)
         export_timeline(monitor, timeline)  # first: the report's reader may be gone
         if as_json:
             print_out(json.dumps(measurement_json(command, code, m)))
         else:
             Console(stderr=True).print(measurement_table(m, shlex.join(command)))
-        if code == 128 + signal.SIGINT:
+        if status == -signal.SIGINT:
             # The command died of Ctrl-C: so does joules, once the report is out, so that a
-            # shell loop around it stops too (a shell goes on when a command exits 130).
+            # shell loop around it stops too (a shell goes on when a command exits 130, which
+            # a command that merely exits with 130 still does).
             sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
