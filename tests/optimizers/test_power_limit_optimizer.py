@@ -506,3 +506,21 @@ def test_the_warmup_after_an_epoch_end_follows_the_epoch_not_the_last_pause():
     for limit, p in opt.points.items():  # no slow step was measured
         assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
     assert opt.chosen_limit_w == 225.0
+
+
+def test_steps_that_take_no_time_give_profiling_up_instead_of_raising(caplog):
+    # On a virtual clock a step can take no time at all (no GPU work, or on_step_end called
+    # before on_step_begin): such a profile cannot rank limits, and dividing by its time
+    # raised ZeroDivisionError out of on_step_end into the training loop.
+    sim, monitor, opt = make("A100", selector="time", warmup_steps=1, profile_steps=3)
+    sim.gpus[0].set_power_limit_w(300.0)  # what the admin had set
+    with caplog.at_level(logging.WARNING, logger="joules.power_limit"):
+        opt.on_train_begin()
+        for _ in range(50):
+            opt.on_step_begin()
+            opt.on_step_end()
+    assert opt.state is State.DONE and opt.chosen_limit_w is None and not opt.points
+    assert "3 steps at 400 W took no measurable time" in caplog.text
+    assert "profiling is given up" in caplog.text
+    assert sim.gpus[0].power_limit_w() == 300.0
+    opt.on_train_end()

@@ -399,7 +399,12 @@ class PowerLimitOptimizer:
             else:
                 self._close()
         if self._idle_epochs >= _IDLE_EPOCHS:
-            self._give_up(steps)
+            why = ("every step was cut by a pause within it: evaluation or a checkpoint inside each "
+                   "gradient-accumulation cycle" if self._split_steps else
+                   "call on_step_begin too to measure such short epochs")
+            assert self._acc is not None
+            self._give_up(f"no step could be measured at {self._acc.limit_w:g} W in {self._idle_epochs} "
+                          f"epochs in a row (of {steps} step(s); {why})")
             return
         rewarm = self.warmup_steps
         if span is not None and (span - 1) // 2 < rewarm:
@@ -459,15 +464,9 @@ class PowerLimitOptimizer:
         if self._applied != wanted:
             self._apply(wanted)
 
-    def _give_up(self, steps: int) -> None:
+    def _give_up(self, why: str) -> None:
         """Stop profiling for good and put back the limits the GPUs had (nothing can be measured)."""
-        assert self._acc is not None
-        why = ("every step was cut by a pause within it: evaluation or a checkpoint inside each "
-               "gradient-accumulation cycle" if self._split_steps else
-               "call on_step_begin too to measure such short epochs")
-        log.warning("no step could be measured at %g W in %d epochs in a row (of %d step(s); %s): "
-                    "profiling is given up and the GPUs keep the limits they had", self._acc.limit_w,
-                    self._idle_epochs, steps, why)
+        log.warning("%s: profiling is given up and the GPUs keep the limits they had", why)
         self._acc = None
         self.state = State.DONE
         self.restore()
@@ -525,6 +524,10 @@ class PowerLimitOptimizer:
         time_s, energy_j = acc.time_s / acc.steps, acc.energy_j / acc.steps
         time_s = self._allreduce([time_s], "max")[0]
         energy_j = self._allreduce([energy_j], "sum")[0]
+        if not time_s > 0:
+            self._give_up(f"{acc.steps} steps at {acc.limit_w:g} W took no measurable time (a clock "
+                          f"that does not advance, or on_step_end called before on_step_begin)")
+            return
         point = LimitPoint(acc.limit_w, time_s, energy_j)
         self.points[point.limit_w] = point
         self._measured.append(point.limit_w)
