@@ -83,6 +83,8 @@ def test_load_job_joins_both_traces(tmp_path: Path) -> None:
      "summary_train.csv: missing column.*optimizer, run, target_metric, target_epoch"),
     (lambda d: (d / "summary_train.csv").write_text(TRAIN_HEADER + "toy,net,32,adam,1,x,0.5,4\n"),
      "line 2: run='x' is not a number"),
+    (lambda d: (d / "summary_train.csv").write_text(TRAIN_HEADER + "\n" + "toy,net,32,adam,1,x,0.5,4\n"),
+     "line 3: run='x' is not a number"),  # the file's line: a blank line counts
     (lambda d: (d / "summary_train.csv").write_text(TRAIN_HEADER + "toy,net,32,adam,1,1,0.5,0\n"),
      "line 2: target_epoch='0': epochs count from 1"),
     (lambda d: (d / "summary_train.csv").write_text(TRAIN_HEADER + "toy,net,32,adam,1,1,0.5,4\n"

@@ -170,7 +170,8 @@ def load_train_trace(path: str | Path, workload: str, target_metric: float) -> T
         missing = [c for c in _TRAIN_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
             raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
-        for line, row in enumerate(reader, start=2):
+        for row in reader:
+            line = reader.line_num  # the file's own line, blank lines counted
             if row["dataset"] != dataset or row["network"] != network:
                 continue
             seen_workload = True
