@@ -301,3 +301,44 @@ def test_exact_keeps_the_fastest_real_plan_that_rounding_ties_with_a_slower_one(
     assert frontier.fastest.time_s == pytest.approx(frontier.max_frequency.time_s)
     assert frontier.fastest.energy_j == pytest.approx(least)
     assert frontier.plan_for_time(0.0265).time_s == pytest.approx(0.0265)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_repeats_match_applying_the_cut_one_unit_at_a_time(seed: int) -> None:
+    """How long a cut stays valid: as far as applying it unit by unit keeps the makespan falling by one."""
+    rng = np.random.default_rng(seed)
+    dag = build_dag("1f1b" if seed % 2 else "gpipe", 3, 4)
+    p = Problem.build(dag, synthetic_profile(3, "a100", seed=seed), 85.0, 0.001)
+    dur = [int(x) for x in rng.integers(20, 60, len(dag.nodes))]
+    horizon = p.makespan(dur)
+    nodes = rng.permutation(len(dur)).tolist()
+    shorten, lengthen = nodes[:5], nodes[5:5 + seed % 3]
+    most = 50
+
+    def makespan_after(j: int) -> int:
+        d = list(dur)
+        for v in shorten:
+            d[v] -= j
+        for v in lengthen:
+            d[v] += j
+        return p.makespan(d)
+
+    # Largest j <= most at which the makespan is still at most horizon - j.
+    expected = max(j for j in range(most + 1) if makespan_after(j) <= horizon - j)
+    assert solver_module._repeats(p, dur, shorten, lengthen, horizon, most) == expected
+
+
+def test_hulls_keep_several_chords_per_computation_at_a_coarse_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a coarse unit, merged hull chords are capped at a sixth of each computation's time range."""
+    made: list[int] = []
+    real = solver_module._Hull
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, ds, cs, span=0):
+            super().__init__(ds, cs, span)
+            made.append(len(self.xs) - 1)
+
+    monkeypatch.setattr(solver_module, "_Hull", Counting)
+    dag = build_dag("1f1b", 4, 8)
+    solve(dag, synthetic_profile(4, "v100", seed=0), 55.0, 0.02, method="fast")  # 20 ms unit: 80 ms chords
+    assert made and min(made) >= 6

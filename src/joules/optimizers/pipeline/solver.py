@@ -22,7 +22,8 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
 ``"fast"``
     1. The convex relaxation, in microseconds: each computation's options are replaced by
        the lower convex hull of (time, effective energy), neighbouring segments that
-       together span at most 4 units merged. It is walked from the relaxed plan of least
+       together span at most 4 units, and at most a sixth of the computation's time range,
+       merged. It is walked from the relaxed plan of least
        energy (a linear program; the slowest plan without SciPy or blocking power) to the
        fastest by shortening every critical path at least cost per unit, a minimum cut over
        the critical computations (Phillips-Dessouky; a computation crossed backwards is
@@ -69,7 +70,8 @@ except ImportError:  # pragma: no cover - exercised where SciPy is absent
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
 PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
-SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged
+SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged,
+SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at least 6 chords each)
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
 MAX_UNIT_S = 3600.0  # the longest unit time accepted (an hour)
 _INF = 1 << 62
@@ -250,15 +252,21 @@ class _MaxFlow:
         while True:
             parent = [-1] * self.n
             parent[s] = -2
-            q = deque([s])
-            while q and parent[t] == -1:
-                u = q.popleft()
+            q = [s]
+            found = False
+            for u in q:  # breadth first: the list grows while it is walked
                 for e in head[u]:
-                    v = to[e]
-                    if cap[e] > 0 and parent[v] == -1:
-                        parent[v] = e
-                        q.append(v)
-            if parent[t] == -1:
+                    if cap[e] > 0:
+                        v = to[e]
+                        if parent[v] == -1:
+                            parent[v] = e
+                            if v == t:
+                                found = True
+                                break
+                            q.append(v)
+                if found:
+                    break
+            if not found:
                 self.seen = [x != -1 for x in parent]  # what s reaches: the source side of a minimum cut
                 return total
             f = _INF
@@ -290,36 +298,48 @@ class _MaxFlow:
         return seen
 
 
-def _repeats(p: Problem, dur: list[int], shorten: list[int], lengthen: list[int], horizon: int) -> int:
-    """How many times the cut can be applied before a non-critical path overtakes the critical ones.
+def _repeats(p: Problem, dur: list[int], shorten: list[int], lengthen: list[int], horizon: int,
+             most: int) -> int:
+    """How many times (at most ``most``) the cut can be applied before another path overtakes.
 
     Applying the cut ``j`` times changes a path's length by ``j`` times (computations it
-    lengthens - those it shortens), ``delta``; critical paths have ``delta = -1``. One pass
-    keeps, for every node and every ``delta``, the longest path ending there.
+    lengthens - those it shortens), ``delta``, while the makespan shrinks by ``j``: the cut
+    stays valid while every path's ``length + j * (delta + 1)`` is at most ``horizon``. That
+    bound is convex in ``j``, so it is found by Newton steps from ``most``: a longest-path pass
+    with the cut applied ``j`` times finds the path that overtakes most, and ``j`` drops to
+    where that path would just catch up; a pass with no path over the bound ends it.
     """
-    change = [0] * len(dur)
+    n = len(dur)
+    change = [0] * n
     for v in shorten:
         change[v] = -1
     for v in lengthen:
         change[v] = 1
-    best: list[dict[int, int]] = []
-    limit = _INF
-    for v in range(len(dur)):
-        here: dict[int, int] = {}
-        cv, dv = change[v], dur[v]
-        preds = p.preds[v]
-        if not preds:
-            here[cv] = dv
-        for u in preds:
-            for delta, length in best[u].items():
-                key, val = delta + cv, length + dv
-                if here.get(key, -1) < val:
-                    here[key] = val
-        best.append(here)
-        for delta, length in here.items():
-            if delta >= 0:
-                limit = min(limit, (horizon - length) // (delta + 1))
-    return limit
+    preds = p.preds
+    j = most
+    while j > 0:
+        end = [0] * n  # longest path ending at v with the cut applied j times
+        slope = [0] * n  # its delta
+        worst, worst_end, worst_slope = 0, 0, 0
+        for v in range(n):
+            best, bd = 0, 0
+            for u in preds[v]:
+                e = end[u]
+                if e > best or (e == best and slope[u] > bd):
+                    best, bd = e, slope[u]
+            cv = change[v]
+            best += dur[v] + j * cv
+            bd += cv
+            end[v], slope[v] = best, bd
+            over = best + j - horizon  # length + j * (delta + 1) - horizon
+            if over > worst:
+                worst, worst_end, worst_slope = over, best, bd
+        if worst <= 0:
+            return j
+        # That path's length without the cut is worst_end - j * worst_slope; it catches up at
+        # (horizon - length) // (delta + 1), strictly less than j.
+        j = (horizon - (worst_end - j * worst_slope)) // (worst_slope + 1)
+    return max(j, 0)
 
 
 class _Walker:
@@ -345,42 +365,45 @@ class _Walker:
         self.refreshes = 0
 
     def _times(self) -> tuple[list[int], list[int], int, int]:
-        """Earliest starts, latest finishes, makespan, and the least float off the critical paths."""
+        """Earliest starts, latest starts, makespan, and the least float off the critical paths."""
         p, dur = self.p, self.dur
         n = len(dur)
         preds, succs = p.preds, p.succs
         es = [0] * n
+        ef = [0] * n
+        horizon = 0
         for v in range(n):
             best = 0
             for u in preds[v]:
-                e = es[u] + dur[u]
+                e = ef[u]
                 if e > best:
                     best = e
             es[v] = best
-        horizon = max(es[v] + dur[v] for v in range(n))
-        lf = [horizon] * n
-        for v in range(n - 1, -1, -1):
-            best = horizon
-            for w in succs[v]:
-                x = lf[w] - dur[w]
-                if x < best:
-                    best = x
-            lf[v] = best
+            best += dur[v]
+            ef[v] = best
+            if best > horizon:
+                horizon = best
         # Every non-critical path has a non-critical computation or, between critical ones, an
         # edge with float; the least of those is how many units may pass before a refresh.
+        ls = [0] * n
         budget = _INF
-        for u in range(n):
-            eu = es[u] + dur[u]
-            f = lf[u] - eu
-            if 0 < f < budget:
-                budget = f
-            for w in succs[u]:
-                f = lf[w] - dur[w] - eu
+        for v in range(n - 1, -1, -1):
+            best = horizon
+            e = ef[v]
+            for w in succs[v]:
+                x = ls[w]
+                if x < best:
+                    best = x
+                f = x - e
                 if 0 < f < budget:
                     budget = f
-        return es, lf, horizon, budget
+            f = best - e
+            if 0 < f < budget:
+                budget = f
+            ls[v] = best - dur[v]
+        return es, ls, horizon, budget
 
-    def _add(self, es: list[int], lf: list[int], horizon: int,
+    def _add(self, es: list[int], ls: list[int], horizon: int,
              au: list[int], av: list[int], ac: list[float]) -> list[tuple[int, int]]:
         """Arcs for the critical computations and edges not in the network yet.
 
@@ -390,7 +413,7 @@ class _Walker:
         dur, hulls, ids = self.dur, self.hulls, self.ids
         added: list[tuple[int, int]] = []
         inf = math.inf
-        crit = [v for v in range(len(dur)) if lf[v] - dur[v] == es[v]]
+        crit = [v for v in range(len(dur)) if ls[v] == es[v]]
         for v in crit:
             if ids[v] < 0:
                 ids[v] = self.size
@@ -418,7 +441,7 @@ class _Walker:
                 av.append(1)
                 ac.append(inf)
             for w in self.p.succs[v]:
-                if es[w] == end_v and ids[w] >= 0 and lf[w] - dur[w] == es[w] and (v, w) not in self.links:
+                if es[w] == end_v and ids[w] >= 0 and ls[w] == end_v and (v, w) not in self.links:
                     self.links.add((v, w))
                     au.append(a + 1)
                     av.append(ids[w])
@@ -428,7 +451,7 @@ class _Walker:
     def rebuild(self) -> tuple[int, list[int], list[int]] | None:
         """Rebuild the network of critical computations and solve its flow from scratch."""
         self.rebuilds += 1
-        es, lf, horizon, budget = self._times()
+        es, ls, horizon, budget = self._times()
         self.ids = [-1] * len(self.dur)
         self.size = 2
         self.crit: list[int] = []
@@ -436,7 +459,7 @@ class _Walker:
         au: list[int] = []
         av: list[int] = []
         ac: list[float] = []
-        added = self._add(es, lf, horizon, au, av, ac)
+        added = self._add(es, ls, horizon, au, av, ac)
         solved = _max_flow(self.size, au, av, ac)
         if solved is None:
             return None  # no finite cut: some critical path is at its fastest everywhere
@@ -449,11 +472,11 @@ class _Walker:
     def refresh(self) -> tuple[int, list[int], list[int]] | None:
         """Add what became critical to the kept network (zero flow on it), then augment."""
         self.refreshes += 1
-        es, lf, horizon, budget = self._times()
+        es, ls, horizon, budget = self._times()
         au: list[int] = []
         av: list[int] = []
         ac: list[float] = []
-        added = self._add(es, lf, horizon, au, av, ac)
+        added = self._add(es, ls, horizon, au, av, ac)
         g, scale = self.graph, self.scale
         while g.n < self.size:
             g.head.append([])
@@ -485,7 +508,7 @@ class _Walker:
             k = min(k, hulls[v].vertex_above(dur[v]) - dur[v])
         if k > self.budget:
             if first:
-                k = min(k, _repeats(self.p, dur, shorten, lengthen, self.horizon))
+                k = _repeats(self.p, dur, shorten, lengthen, self.horizon, k)
             else:
                 k = self.budget
         return max(1, k), shorten, lengthen
@@ -574,9 +597,8 @@ def _max_flow(
     scale = (1 << 30) / finite if finite > 0 else 1.0
     big = (1 << 31) - 1
     ints = np.where(infinite, big, np.floor(np.where(infinite, 0.0, c_arr) * scale)).astype(np.int64)
-    g = _MaxFlow(n)
-    py_caps = [(_INF if c == big else c) for c in ints.tolist()]
-    edge_of = [g.add(u, v, c) for u, v, c in zip(au, av, py_caps, strict=True)]
+    m = len(au)
+    caps = np.where(ints == big, _INF, ints)
     if _csgraph is not None:
         sp, cs = _csgraph
         u_arr = np.asarray(au, dtype=np.int32)
@@ -592,12 +614,25 @@ def _max_flow(
         keys = rows * n + fm.indices
         want = u_arr.astype(np.int64) * n + v_arr  # original arc order
         pos = np.minimum(np.searchsorted(keys, want), max(len(keys) - 1, 0))
-        flows = np.where(keys[pos] == want, fm.data[pos], 0) if len(keys) else np.zeros(len(au), np.int64)
-        for e, f in zip(edge_of, np.maximum(flows, 0).tolist(), strict=True):
-            if f:
-                g.cap[e] -= f
-                g.cap[e ^ 1] += f
+        flows = np.where(keys[pos] == want, fm.data[pos], 0) if len(keys) else np.zeros(m, np.int64)
+        flows = np.maximum(flows, 0)
     else:
+        flows = np.zeros(m, dtype=np.int64)
+    # The residual network in bulk: arc i is edge 2i, its reverse 2i + 1; each node's edges in
+    # the order they were added.
+    g = _MaxFlow(n)
+    ends = np.empty(2 * m, dtype=np.int64)
+    ends[0::2], ends[1::2] = au, av
+    to = np.empty(2 * m, dtype=np.int64)
+    to[0::2], to[1::2] = av, au
+    res = np.empty(2 * m, dtype=np.int64)
+    res[0::2], res[1::2] = caps - flows, flows
+    g.to, g.cap = to.tolist(), res.tolist()
+    order_l = np.argsort(ends, kind="stable").tolist()
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(ends, minlength=n))]).tolist()
+    g.head = [order_l[bounds[i]:bounds[i + 1]] for i in range(n)]
+    edge_of = list(range(0, 2 * m, 2))
+    if _csgraph is None:
         g.augment(0, 1)
     return g, edge_of, scale
 
@@ -739,7 +774,8 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     Args:
         p: The problem in fine units.
         grid: The time unit asked for, in fine units (hull segments shorter than
-            ``SPAN_UNITS`` of it are merged).
+            ``SPAN_UNITS`` of it, and shorter than ``1 / SPAN_PARTS`` of a computation's time
+            range, are merged).
         every: One plan per ``every`` fine units of iteration time.
 
     Returns:
@@ -751,7 +787,11 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     for v, c in enumerate(p.dag.nodes):
         key = (c.stage, c.kind)  # computations of one stage and kind share their options
         if key not in shared:
-            shared[key] = _Hull(p.durations[v], p.costs[v], grid * SPAN_UNITS)
+            # Long chords split slack between stages by their average slopes: a computation keeps
+            # at least SPAN_PARTS of them, however coarse the unit.
+            ds = p.durations[v]
+            span = min(grid * SPAN_UNITS, max(1, (ds[-1] - ds[0]) // SPAN_PARTS))
+            shared[key] = _Hull(ds, p.costs[v], span)
         hulls.append(shared[key])
     t_min = p.makespan([ds[0] for ds in p.durations])
     dur = [h.xs[-1] for h in hulls]
@@ -912,23 +952,34 @@ class _Batch:
             width = max(1, max((len(x) for x in lists), default=1))
             return np.array([[*x, *[n] * (width - len(x))] for x in lists], dtype=np.int64)
 
-        # (nodes of the level, their predecessors / successors padded with the dummy column n)
+        # (nodes of the level, their predecessors / successors padded with the dummy column n, one
+        # array per position: an elementwise max / min over a few columns beats a reduction)
         self.levels = [
-            (np.array(vs, dtype=np.int64), padded([p.preds[v] for v in vs]), padded([p.succs[v] for v in vs]))
+            (np.array(vs, dtype=np.int64), list(padded([p.preds[v] for v in vs]).T),
+             list(padded([p.succs[v] for v in vs]).T))
             for _, vs in sorted(levels.items())
         ]
-        sizes = [len(ds) for ds in p.durations]
-        self.offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        # Computations sharing their options (one stage and kind, as Problem.build makes them)
+        # share one table: the searches below run over far fewer keys.
+        group_of: dict[tuple[int, int, int], int] = {}
+        group = [group_of.setdefault((id(p.durations[v]), id(p.costs[v]), id(p.options[v])), len(group_of))
+                 for v in range(n)]
+        first = [0] * len(group_of)
+        for v in range(n - 1, -1, -1):
+            first[group[v]] = v
+        sizes = [len(p.durations[v]) for v in first]
+        g_offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.offset = g_offset[np.asarray(group, dtype=np.int64)] if n else np.zeros(0, dtype=np.int64)
         span = self.span = max((ds[-1] for ds in p.durations), default=0) + 2
-        # Durations made increasing across nodes (node v shifted by v * span) for one searchsorted.
-        self.flat_d = np.concatenate([np.asarray(ds, dtype=np.int64) for ds in p.durations])
-        self.flat_c = np.concatenate([np.asarray(cs, dtype=np.float64) for cs in p.costs])
+        # Durations made increasing across groups (group g shifted by g * span) for one searchsorted.
+        self.flat_d = np.concatenate([np.asarray(p.durations[v], dtype=np.int64) for v in first])
+        self.flat_c = np.concatenate([np.asarray(p.costs[v], dtype=np.float64) for v in first])
         # The real options, for evaluating plans with unrounded times.
-        self.flat_t = np.array([o.time_s for opts in p.options for o in opts], dtype=np.float64)
-        self.flat_e = np.array([o.energy_j for opts in p.options for o in opts], dtype=np.float64)
-        self.flat_f = np.array([o.frequency for opts in p.options for o in opts], dtype=np.int64)
-        self.shift = np.arange(n, dtype=np.int64) * span
-        self.keys = self.flat_d + np.repeat(self.shift, sizes)
+        self.flat_t = np.array([o.time_s for v in first for o in p.options[v]], dtype=np.float64)
+        self.flat_e = np.array([o.energy_j for v in first for o in p.options[v]], dtype=np.float64)
+        self.flat_f = np.array([o.frequency for v in first for o in p.options[v]], dtype=np.int64)
+        self.shift = np.asarray(group, dtype=np.int64) * span
+        self.keys = self.flat_d + np.repeat(np.arange(len(first), dtype=np.int64) * span, sizes)
 
     def durations_of(self, choice: np.ndarray) -> np.ndarray:
         """Durations (rows x nodes) of option indices ``choice``."""
@@ -949,7 +1000,11 @@ class _Batch:
         rows = dur.shape[0]
         ef = np.zeros((rows, self.n + 1), dtype=dur.dtype)
         for vs, preds, _ in self.levels:
-            ef[:, vs] = ef[:, preds].max(axis=2) + dur[:, vs]
+            acc = ef[:, preds[0]]
+            for col in preds[1:]:
+                np.maximum(acc, ef[:, col], out=acc)
+            acc += dur[:, vs]
+            ef[:, vs] = acc
         return ef[:, : self.n]
 
     def makespan(self, dur: np.ndarray) -> np.ndarray:
@@ -985,8 +1040,11 @@ class _Batch:
             ls[:, n] = deadline[rows]
             lf = np.empty_like(dur)
             for vs, _, succs in reversed(self.levels):
-                lf[:, vs] = ls[:, succs].min(axis=2)
-                ls[:, vs] = lf[:, vs] - dur[:, vs]
+                acc = ls[:, succs[0]]
+                for col in succs[1:]:
+                    np.minimum(acc, ls[:, col], out=acc)
+                lf[:, vs] = acc
+                ls[:, vs] = acc - dur[:, vs]
             k2 = np.maximum(self._index_at_most(lf - ef + dur), ch)
             gains = self.flat_c[ch + self.offset] - self.flat_c[k2 + self.offset]
             best = gains.argmax(axis=1)
