@@ -350,8 +350,9 @@ class _Walker:
     reaches a hull vertex, only the capacity of shortening it further grows, so the previous
     flow stays feasible and a few augmenting paths restore a maximum flow, from which the next
     cut is read (:meth:`applied` moves a computation's flow between its own arcs when its
-    capacities change). When a non-critical path could catch up (``budget`` runs out), what
-    became critical is added with zero flow (:meth:`refresh`). The kept network may still hold
+    capacities change). Each cut is applied until a hull vertex or until a path outside the
+    network catches up (:func:`_repeats`); what then became critical is added with zero flow
+    (:meth:`refresh`). The kept network may still hold
     paths that stopped being critical; cutting them too is wasteful but never wrong, and the
     makespan then only shrinks faster than tracked. A rebuild happens when a computation's flow
     cannot be kept, or when no finite cut is left in the kept network.
@@ -361,11 +362,12 @@ class _Walker:
         self.p, self.hulls, self.dur = p, hulls, dur
         self.stale = True
         self.refresh_due = False
+        self.catching_up = False
         self.rebuilds = 0
         self.refreshes = 0
 
-    def _times(self) -> tuple[list[int], list[int], int, int]:
-        """Earliest starts, latest starts, makespan, and the least float off the critical paths."""
+    def _times(self) -> tuple[list[int], list[int], int]:
+        """Earliest starts, latest starts and the makespan."""
         p, dur = self.p, self.dur
         n = len(dur)
         preds, succs = p.preds, p.succs
@@ -383,25 +385,15 @@ class _Walker:
             ef[v] = best
             if best > horizon:
                 horizon = best
-        # Every non-critical path has a non-critical computation or, between critical ones, an
-        # edge with float; the least of those is how many units may pass before a refresh.
         ls = [0] * n
-        budget = _INF
         for v in range(n - 1, -1, -1):
             best = horizon
-            e = ef[v]
             for w in succs[v]:
                 x = ls[w]
                 if x < best:
                     best = x
-                f = x - e
-                if 0 < f < budget:
-                    budget = f
-            f = best - e
-            if 0 < f < budget:
-                budget = f
             ls[v] = best - dur[v]
-        return es, ls, horizon, budget
+        return es, ls, horizon
 
     def _add(self, es: list[int], ls: list[int], horizon: int,
              au: list[int], av: list[int], ac: list[float]) -> list[tuple[int, int]]:
@@ -451,7 +443,7 @@ class _Walker:
     def rebuild(self) -> tuple[int, list[int], list[int]] | None:
         """Rebuild the network of critical computations and solve its flow from scratch."""
         self.rebuilds += 1
-        es, ls, horizon, budget = self._times()
+        es, ls, horizon = self._times()
         self.ids = [-1] * len(self.dur)
         self.size = 2
         self.crit: list[int] = []
@@ -465,14 +457,14 @@ class _Walker:
             return None  # no finite cut: some critical path is at its fastest everywhere
         self.graph, edge_of, self.scale = solved
         self.arc_edge = {v: (edge_of[i], edge_of[i + 1], edge_of[i + 2]) for v, i in added}
-        self.horizon, self.budget = horizon, budget
+        self.horizon = horizon
         self.stale = self.refresh_due = False
-        return self._cut(self.graph.reachable(0), first=True)
+        return self._cut(self.graph.reachable(0))
 
     def refresh(self) -> tuple[int, list[int], list[int]] | None:
         """Add what became critical to the kept network (zero flow on it), then augment."""
         self.refreshes += 1
-        es, ls, horizon, budget = self._times()
+        es, ls, horizon = self._times()
         au: list[int] = []
         av: list[int] = []
         ac: list[float] = []
@@ -486,14 +478,14 @@ class _Walker:
             edge_of.append(g.add(u, v, _INF if c == math.inf else int(c * scale)))
         for v, i in added:
             self.arc_edge[v] = (edge_of[i], edge_of[i + 1], edge_of[i + 2])
-        self.horizon, self.budget = horizon, budget
+        self.horizon = horizon
         self.refresh_due = False
         if g.augment(0, 1) >= _INF // 2:
             return self.rebuild()
-        return self._cut(g.seen, first=True)
+        return self._cut(g.seen)
 
-    def _cut(self, side: list[bool], first: bool = False) -> tuple[int, list[int], list[int]] | None:
-        """The cut whose source side is ``side``; ``first`` after the network changed."""
+    def _cut(self, side: list[bool]) -> tuple[int, list[int], list[int]] | None:
+        """The cut whose source side is ``side``, and how many units it may be applied."""
         if side[1]:
             return None
         ids, dur, hulls = self.ids, self.dur, self.hulls
@@ -506,12 +498,12 @@ class _Walker:
             k = min(k, dur[v] - hulls[v].vertex_below(dur[v]))
         for v in lengthen:
             k = min(k, hulls[v].vertex_above(dur[v]) - dur[v])
-        if k > self.budget:
-            if first:
-                k = _repeats(self.p, dur, shorten, lengthen, self.horizon, k)
-            else:
-                k = self.budget
-        return max(1, k), shorten, lengthen
+        # Up to the next hull vertex, unless a path outside the network catches up first (or just
+        # then: asked for one unit more, it says whether the path is level at k), which is
+        # added to the network once the cut is applied.
+        limit = _repeats(self.p, dur, shorten, lengthen, self.horizon, k + 1)
+        self.catching_up = limit <= k
+        return max(1, min(k, limit)), shorten, lengthen
 
     def next(self) -> tuple[int, list[int], list[int]] | None:
         """The next cut ``(units, shortened, lengthened)``, or ``None`` at the fastest."""
@@ -536,12 +528,10 @@ class _Walker:
         lengthening it) may shift between them as long as what enters and leaves it stays the
         same; when no such shift fits, the network is rebuilt.
         """
-        # A non-critical path through lengthened computations grows while the makespan shrinks.
-        self.budget -= units * (1 + len(lengthen))
         self.horizon -= units
         if self.stale:
             return
-        if self.budget <= 0:
+        if self.catching_up:
             self.refresh_due = True
         g, hulls, dur, scale = self.graph, self.hulls, self.dur, self.scale
         cap = g.cap
