@@ -342,3 +342,20 @@ def test_hulls_keep_several_chords_per_computation_at_a_coarse_unit(monkeypatch:
     dag = build_dag("1f1b", 4, 8)
     solve(dag, synthetic_profile(4, "v100", seed=0), 55.0, 0.02, method="fast")  # 20 ms unit: 80 ms chords
     assert made and min(made) >= 6
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_solve_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    import gc
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        solve(build_dag("1f1b", 2, 3), synthetic_profile(2, seed=1), 50.0, 0.005, method="fast")
+        assert gc.isenabled() is enabled
+        (gc.enable if enabled else gc.disable)()
+        with pytest.raises(PipelineProfileError):  # raised while solving: the collector is back on
+            solve(build_dag("1f1b", 3, 3), synthetic_profile(2, seed=1), 50.0, 0.005, method="fast")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -45,6 +45,7 @@ with their real (unrounded) times and energies.
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 import time
 from collections import deque
@@ -718,6 +719,20 @@ def solve(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     _check_unit_time(unit_time_s)
+    # The walk makes many short-lived lists and no reference cycles: collections of the cyclic
+    # garbage collector would only pass over the host process's heap (large in a training job).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _solve(dag, profile, blocking_power_w, unit_time_s, method)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _solve(dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float, unit_time_s: float,
+           method: str) -> Frontier:
+    """:func:`solve`, its arguments checked."""
     t0 = time.perf_counter()
     meta: dict[str, object] = {}
     fine: Problem | None = None
