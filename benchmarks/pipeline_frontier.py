@@ -45,6 +45,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from joules.optimizers.pipeline import solver
 from joules.optimizers.pipeline.frontier import Frontier, evaluate
 from joules.optimizers.pipeline.profile import CURVES, blocking_power_w, synthetic_profile
 from joules.optimizers.pipeline.schedule import Computation, build_dag
@@ -183,7 +184,15 @@ def main() -> None:
     parser.add_argument("--case", action="append", default=[], metavar="CURVE:SxM:MS",
                         help="run this case only (e.g. v100:4x8:1; repeatable)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--span-parts", type=int, default=solver.SPAN_PARTS,
+                        help="joules' hull chords span at most 1/N of a computation's time range "
+                             "(1: only the SPAN_UNITS cap, as before it)")
+    parser.add_argument("--plans-per-unit", type=int, default=solver.PLANS_PER_UNIT,
+                        help="joules plans this many iteration times per unit")
     args = parser.parse_args()
+    if args.span_parts < 1 or args.plans_per_unit < 1:
+        sys.exit("--span-parts and --plans-per-unit must be at least 1")
+    solver.SPAN_PARTS, solver.PLANS_PER_UNIT = args.span_parts, args.plans_per_unit
     cases = QUICK if args.quick else FULL
     if args.case:
         try:

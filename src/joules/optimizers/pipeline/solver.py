@@ -23,12 +23,11 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
     1. The convex relaxation, in microseconds: each computation's options are replaced by
        the lower convex hull of (time, effective energy), neighbouring segments that
        together span at most 4 units, and at most a sixth of the computation's time range,
-       merged. It is walked from the relaxed plan of least
-       energy (a linear program; the slowest plan without SciPy or blocking power) to the
-       fastest by shortening every critical path at least cost per unit, a minimum cut over
-       the critical computations (Phillips-Dessouky; a computation crossed backwards is
-       lengthened), each cut applied for as many units as it stays optimal (:class:`_Walker`
-       keeps the flow between cuts).
+       merged. It is walked from the relaxed plan of least energy (a linear program; the
+       slowest plan without SciPy or blocking power) to the fastest by shortening every
+       critical path at least cost per unit, a minimum cut over the critical computations
+       (Phillips-Dessouky; a computation crossed backwards is lengthened), each cut applied
+       for as many units as it stays optimal (:class:`_Walker` keeps the flow between cuts).
     2. For every iteration time from the fastest to the slowest useful one (where a unit less
        starts to cost more than the blocked energy it saves), every half unit,
        the relaxed plan that fits is rounded down to real options (so the time still holds)
@@ -353,9 +352,9 @@ class _Walker:
     cut is read (:meth:`applied` moves a computation's flow between its own arcs when its
     capacities change). Each cut is applied until a hull vertex or until a path outside the
     network catches up (:func:`_repeats`); what then became critical is added with zero flow
-    (:meth:`refresh`). The kept network may still hold
-    paths that stopped being critical; cutting them too is wasteful but never wrong, and the
-    makespan then only shrinks faster than tracked. A rebuild happens when a computation's flow
+    (:meth:`refresh`). The kept network may still hold paths that stopped being critical;
+    cutting them too is wasteful but never wrong, and the makespan then only shrinks faster
+    than tracked. A rebuild happens when a computation's flow
     cannot be kept, or when no finite cut is left in the kept network.
     """
 
@@ -974,7 +973,7 @@ class _Batch:
             first[group[v]] = v
         sizes = [len(p.durations[v]) for v in first]
         g_offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self.offset = g_offset[np.asarray(group, dtype=np.int64)] if n else np.zeros(0, dtype=np.int64)
+        self.offset = g_offset[np.asarray(group, dtype=np.int64)]
         span = self.span = max((ds[-1] for ds in p.durations), default=0) + 2
         # Durations made increasing across groups (group g shifted by g * span) for one searchsorted.
         self.flat_d = np.concatenate([np.asarray(p.durations[v], dtype=np.int64) for v in first])
