@@ -359,3 +359,32 @@ def test_solve_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> Non
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def fractional_profile(stages: int, seed: int) -> PipelineProfile:
+    """Three options per computation, 20-40 µs with fractions of a microsecond."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in range(stages):
+        for kind in ("forward", "backward"):
+            times = np.sort(rng.choice(np.arange(20, 40), size=3, replace=False) + rng.uniform(0, 1, 3))
+            energy = float(rng.uniform(20, 40))
+            for i, t in enumerate(times):
+                energy -= float(rng.uniform(0.5, 6.0))
+                rows.append((s, kind, 1000 + 100 * (3 - i), float(t) * 1e-6, max(energy, 0.5)))
+    return PipelineProfile.from_rows(rows, name=f"fractional-{seed}")
+
+
+@pytest.mark.parametrize(("stages", "mbs", "seed"), [(2, 3, 14), (3, 2, 33), (2, 3, 38), (3, 2, 117)])
+def test_fast_frontier_starts_at_the_real_fastest_time(stages: int, mbs: int, seed: int) -> None:
+    """Plans are made in whole microseconds, each option's time rounded down: a plan that meets
+    the fastest time in those units can miss the real one by a fraction of a microsecond. On these
+    profiles the plans improved in units all do, so the frontier would start slower than running
+    everything at the highest clock; the fastest time is planned on real times too."""
+    profile = fractional_profile(stages, seed)
+    dag = build_dag("1f1b", stages, mbs)
+    frontier = solve(dag, profile, 0.0, 1e-6, method="fast")
+    assert frontier.fastest.time_s <= frontier.max_frequency.time_s * (1 + 1e-12)
+    assert frontier.fastest.energy_j < frontier.max_frequency.energy_j
+    assert evaluate(dag, profile, list(frontier.fastest.frequencies), 0.0).time_s == pytest.approx(
+        frontier.max_frequency.time_s, rel=1e-12)

@@ -857,7 +857,8 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
             walker.applied(total, shorten, lengthen)
     batch = _Batch(p)
     relaxed = np.array(states, dtype=np.int64).reshape(len(states), n)
-    rows = np.vstack([batch.round_down(relaxed), np.zeros((1, n), dtype=np.int64)])
+    start = batch.round_down(relaxed)
+    rows = np.vstack([start, np.zeros((1, n), dtype=np.int64)])
     limits = np.array([*deadlines, t_min], dtype=np.int64)
     # Rounding down can overshoot nothing (each duration only shrinks), so every row meets its
     # deadline; the greedy pass then spends what rounding left.
@@ -865,17 +866,16 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     # Each plan, improved again at the next slower iteration time, is a second candidate there:
     # a greedy pass from a different start (the frontier keeps whichever is better).
     again = batch.improve(rows[1:], limits[:-1])
-    rows = np.vstack([rows, again[(again != rows[1:]).any(axis=1)]])
+    # The fastest time once more, on real times, from the relaxed plan that fits it.
+    rows = np.vstack([rows, again[(again != rows[1:]).any(axis=1)], batch.fastest(start[-1:])])
     return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
                                "refreshes": walker.refreshes, "deadlines": len(deadlines)}
 
 
 def _fastest(p: Problem) -> list[Plan]:
-    """The all-fastest plan, improved greedily at its own iteration time (in ``p``'s units)."""
+    """The all-fastest plan, improved greedily on real times at its own iteration time."""
     batch = _Batch(p)
-    n = len(p.durations)
-    t_min = p.makespan([ds[0] for ds in p.durations])
-    return batch.plans(batch.improve(np.zeros((1, n), dtype=np.int64), np.array([t_min], dtype=np.int64)))
+    return batch.plans(batch.fastest(np.zeros((0, batch.n), dtype=np.int64)))
 
 
 def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> list[int] | None:
@@ -984,15 +984,26 @@ class _Batch:
         self.flat_f = np.array([o.frequency for v in first for o in p.options[v]], dtype=np.int64)
         self.shift = np.asarray(group, dtype=np.int64) * span
         self.keys = self.flat_d + np.repeat(np.arange(len(first), dtype=np.int64) * span, sizes)
+        # The same for real times, in seconds (plans that must meet a real iteration time).
+        real_span = self.real_span = 2.0 * float(self.flat_t.max(initial=0.0)) + 1.0
+        self.real_shift = np.asarray(group, dtype=np.float64) * real_span
+        self.real_keys = self.flat_t + np.repeat(np.arange(len(first), dtype=np.float64) * real_span, sizes)
 
     def durations_of(self, choice: np.ndarray) -> np.ndarray:
         """Durations (rows x nodes) of option indices ``choice``."""
         return self.flat_d[choice + self.offset]
 
-    def _index_at_most(self, limit: np.ndarray) -> np.ndarray:
-        """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none)."""
-        limit = np.clip(limit, -1, self.span - 1)
-        pos = np.searchsorted(self.keys, limit + self.shift, side="right") - 1
+    def _index_at_most(self, limit: np.ndarray, real: bool = False) -> np.ndarray:
+        """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none).
+
+        ``limit`` is in units, or in seconds of real option time with ``real``.
+        """
+        if real:
+            limit = np.clip(limit, -1.0, self.real_span - 1.0)
+            pos = np.searchsorted(self.real_keys, limit + self.real_shift, side="right") - 1
+        else:
+            limit = np.clip(limit, -1, self.span - 1)
+            pos = np.searchsorted(self.keys, limit + self.shift, side="right") - 1
         return pos - self.offset
 
     def round_down(self, durations: np.ndarray) -> np.ndarray:
@@ -1027,18 +1038,20 @@ class _Batch:
             for f, t, e in zip(freqs.tolist(), iteration.tolist(), total.tolist(), strict=True)
         ]
 
-    def improve(self, choice: np.ndarray, deadline: np.ndarray) -> np.ndarray:
+    def improve(self, choice: np.ndarray, deadline: np.ndarray, real: bool = False) -> np.ndarray:
         """Greedily move computations to slower, cheaper options while each row's deadline holds.
 
         Each round computes every node's float and, per row, applies the single move (a node to
-        the slowest option its float allows) with the largest saving.
+        the slowest option its float allows) with the largest saving. Deadlines are in units,
+        or with ``real`` in seconds, held by the real option times.
         """
         choice = choice.copy()
         rows = np.arange(choice.shape[0])
         n = self.n
+        table = self.flat_t if real else self.flat_d
         while rows.size:
             ch = choice[rows]
-            dur = self.durations_of(ch)
+            dur = table[ch + self.offset]
             ef = self.earliest_ends(dur)
             ls = np.empty((rows.size, n + 1), dtype=dur.dtype)
             ls[:, n] = deadline[rows]
@@ -1049,7 +1062,7 @@ class _Batch:
                     np.minimum(acc, ls[:, col], out=acc)
                 lf[:, vs] = acc
                 ls[:, vs] = acc - dur[:, vs]
-            k2 = np.maximum(self._index_at_most(lf - ef + dur), ch)
+            k2 = np.maximum(self._index_at_most(lf - ef + dur, real), ch)
             gains = self.flat_c[ch + self.offset] - self.flat_c[k2 + self.offset]
             best = gains.argmax(axis=1)
             idx = np.arange(rows.size)
@@ -1059,6 +1072,19 @@ class _Batch:
             rows, best, idx = rows[moving], best[moving], idx[moving]
             choice[rows, best] = k2[idx, best]
         return choice
+
+    def fastest(self, start: np.ndarray) -> np.ndarray:
+        """A plan of the real fastest iteration time, improved from ``start`` (one row) on real times.
+
+        Plans improved in units can miss the real fastest time by a fraction of a unit (each
+        option's time is rounded down to the unit), so the fastest time is planned again on
+        real times: from ``start`` where it is that fast, else from the all-fastest plan.
+        """
+        fastest = np.zeros((1, self.n), dtype=np.int64)
+        t_min = self.makespan(self.flat_t[fastest + self.offset])
+        if start.shape[0] and self.makespan(self.flat_t[start[:1] + self.offset])[0] <= t_min[0]:
+            fastest = start[:1]
+        return self.improve(fastest, t_min, real=True)
 
 
 def _lower_envelope(plans: list[Plan]) -> list[Plan]:
