@@ -23,12 +23,17 @@ upward-first pass; that pass going on to the end), so each part's worth shows. `
 NAME=VALUE`` runs joules' policy with a setting changed (``margin``, ``temperature``, ...).
 ``--stop-after`` makes joules' simulator stop a trial after the epoch that crossed the stop
 cost, not before it. ``--blocks K`` judges the goal again on each block of K consecutive seeds
-(with ``--seeds 20 --blocks 5``: how a 5-seed verdict moves with the seeds).
+(with ``--seeds 20 --blocks 5``: how a 5-seed verdict moves with the seeds). ``--ceiling``
+adds two reference policies that know the best configuration in hindsight, in joules'
+simulator with the same seeds: ``oracle from the start`` runs the oracle's batch size in every
+recurrence, and ``joules, then oracle`` runs joules' policy until its exploration ends, then
+the oracle's batch size. Both are charged like any policy (power limit from joules' search,
+its profiling, early stopping), so they bound what a policy that minimizes the cost can save.
 
 Run: ``python benchmarks/recurring.py [--seeds 5] [--eta 0.5] [--beta 2] [--gpus v100,a40]
-[--ablation] [--set NAME=VALUE ...] [--stop-after] [--no-zeus] [--blocks K] [--json PATH]`` (from the
-repository root; ``.bench-venv`` must have Zeus, see ``benchmarks/README.md``; ``--no-zeus``
-runs joules alone).
+[--ablation] [--ceiling] [--set NAME=VALUE ...] [--stop-after] [--no-zeus] [--blocks K]
+[--json PATH]`` (from the repository root; ``.bench-venv`` must have Zeus, see
+``benchmarks/README.md``; ``--no-zeus`` runs joules alone).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +54,9 @@ from rich.console import Console
 from rich.table import Table
 
 from joules.optimizers.batch_size.policy import JoulesPolicy, make_policy
-from joules.optimizers.batch_size.simulator import simulate
+from joules.optimizers.batch_size.simulator import oracle_config, simulate
 from joules.optimizers.batch_size.traces import JOBS, JobTrace, known_gpus, load_job
-from joules.optimizers.batch_size.types import Policy, PolicyConfig
+from joules.optimizers.batch_size.types import Policy, PolicyConfig, PolicyState
 
 ROOT = Path(__file__).resolve().parents[1]
 ZEUS_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
@@ -93,6 +99,36 @@ class UpFirstJudged(JoulesPolicy):
     up_first_to_end = False
 
 
+class OracleFromStart(JoulesPolicy):
+    """Reference: the oracle's batch size in every recurrence, no exploration.
+
+    Its power limit is joules' choice for that batch size, its profiling charged to the first
+    trial, and its trials stopped early like any policy's (the simulator does all that).
+    """
+
+    def __init__(self, config: PolicyConfig, oracle: int) -> None:
+        super().__init__(config)
+        self.oracle = oracle
+
+    def _choose(self, state: PolicyState, rng: Any) -> tuple[int, str]:
+        return self.oracle, "exploit"
+
+
+class ExploreThenOracle(OracleFromStart):
+    """Reference: joules' policy until its exploration ends, then the oracle's batch size."""
+
+    def _initial(self) -> dict[str, Any]:
+        return {**super()._initial(), "oracle_now": False}
+
+    def _choose(self, state: PolicyState, rng: Any) -> tuple[int, str]:
+        if not state["oracle_now"]:
+            bs, phase = JoulesPolicy._choose(self, state, rng)
+            if phase == "explore":
+                return bs, phase
+            state["oracle_now"] = True  # the first exploitation: from now on, the oracle
+        return self.oracle, "exploit"
+
+
 def tuned(settings: list[str]) -> type[JoulesPolicy]:
     """``JoulesPolicy`` with class attributes set from ``NAME=VALUE`` strings (``--set``)."""
     attrs: dict[str, object] = {}
@@ -120,6 +156,10 @@ ABLATIONS: dict[str, Callable[[PolicyConfig], Policy]] = {
     "joules - temperature": NoTemperature,
     "joules - up first": DownFirst,
     "joules - to the end": UpFirstJudged,
+}
+CEILING: dict[str, type[OracleFromStart]] = {
+    "oracle from the start": OracleFromStart,
+    "joules, then oracle": ExploreThenOracle,
 }
 
 
@@ -200,6 +240,8 @@ def main() -> int:
     ap.add_argument("--beta", type=float, default=2.0)
     ap.add_argument("--gpus", default=None, help="comma-separated (default: every power trace)")
     ap.add_argument("--ablation", action="store_true", help="also joules with one part turned off")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also the oracle's batch size from the start, and after joules' exploration")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="run joules' policy with this setting changed (e.g. margin=0.2; repeatable)")
     ap.add_argument("--stop-after", action="store_true",
@@ -238,6 +280,9 @@ def main() -> int:
         for job in jobs:
             row: dict[str, Any] = {"gpu": job.gpu, "workload": job.spec.workload,
                                    "recurrences": job.default_recurrences(), "policies": {}}
+            if args.ceiling:
+                oracle = oracle_config(job, args.eta).batch_size
+                policies.update({n: partial(cls, oracle=oracle) for n, cls in CEILING.items()})
             for name, factory in policies.items():
                 res = run_joules(job, factory, seeds, args.eta, args.beta, not args.stop_after)
                 summarize(res, job, args.eta)
@@ -309,10 +354,31 @@ def main() -> int:
             a.add_row(row["gpu"], row["workload"], *(f"{row['policies'][n]['gap_pct']:.2f} %" for n in names))
         a.add_row("mean", "", *(f"{mean(n, 'gap_pct'):.2f} %" for n in names), style="bold")
         console.print(a)
+    if args.ceiling:
+        names = ["joules", *([] if args.no_zeus else [zeus_name]), *CEILING]
+        c = Table(title="Ceiling: the oracle's batch size (known in hindsight), charged like any policy")
+        c.add_column("GPU", no_wrap=True)
+        c.add_column("workload", no_wrap=True)
+        c.add_column("oracle\nbatch size", justify="right")
+        for name in names:
+            c.add_column(f"energy saved\n{name}", justify="right")
+        for name in names:
+            c.add_column(f"gap\n{name}", justify="right")
+        for row, job in zip(rows, jobs, strict=True):
+            pol = row["policies"]
+            c.add_row(row["gpu"], row["workload"], str(oracle_config(job, args.eta).batch_size),
+                      *(f"{pol[n]['energy_saved_pct']:.2f} %" for n in names),
+                      *(f"{pol[n]['gap_pct']:.2f} %" for n in names))
+        c.add_row("mean", "", "", *(f"{mean(n, 'energy_saved_pct'):.2f} %" for n in names),
+                  *(f"{mean(n, 'gap_pct'):.2f} %" for n in names), style="bold")
+        console.print(c)
     means = {n: mean(n, "gap_pct") for n in rows[0]["policies"]}
     if args.json:
-        args.json.write_text(json.dumps({"seeds": seeds, "eta": args.eta, "beta": args.beta, "rows": rows,
-                                         "mean_gap_pct": means, "wall_s": wall}, indent=1))
+        out = {"seeds": seeds, "eta": args.eta, "beta": args.beta, "rows": rows, "mean_gap_pct": means,
+               "wall_s": wall}
+        if args.ceiling:
+            out["mean_energy_saved_pct"] = {n: mean(n, "energy_saved_pct") for n in rows[0]["policies"]}
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 
