@@ -388,3 +388,20 @@ def test_fast_frontier_starts_at_the_real_fastest_time(stages: int, mbs: int, se
     assert frontier.fastest.energy_j < frontier.max_frequency.energy_j
     assert evaluate(dag, profile, list(frontier.fastest.frequencies), 0.0).time_s == pytest.approx(
         frontier.max_frequency.time_s, rel=1e-12)
+
+
+def test_plans_improved_half_way_to_the_next_time_fill_the_frontier_between(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A straggler's pace falls anywhere between two planned times: each plan improved again
+    half-way to the next slower one never raises the frontier, and lowers it at some paces."""
+    dag = build_dag("1f1b", 4, 8)
+    profile = synthetic_profile(4, "h100", seed=2)
+    power = blocking_power_w("h100")
+    with_half = solve(dag, profile, power, 0.005)
+    monkeypatch.setattr(solver_module, "HALF_WAY", False)
+    without = solve(dag, profile, power, 0.005)
+    assert with_half.min_time_s == without.min_time_s
+    times = np.linspace(with_half.min_time_s, with_half.plans[-1].time_s, 2000)
+    diffs = np.array([with_half.energy_at(t) - without.energy_at(t) for t in times])
+    assert (diffs <= 1e-9).all()
+    assert (diffs < -1e-6).mean() > 0.2, (diffs < -1e-6).mean()

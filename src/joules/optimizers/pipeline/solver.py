@@ -33,7 +33,9 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
        the relaxed plan that fits is rounded down to real options (so the time still holds)
        and improved greedily: while a computation has float for a slower, cheaper option,
        the move saving the most is taken. Each plan is also improved again at the next slower
-       time (a second candidate there). All iteration times at once, with NumPy.
+       time (a second candidate there) and half-way to it (a quarter unit on). All iteration
+       times at once, with NumPy. The fastest time is planned once more on real option times
+       (rounded down to the microsecond, a plan can miss it by a fraction of one).
     3. The frontier is the lower envelope of these plans, evaluated with real times.
 
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
@@ -69,7 +71,8 @@ except ImportError:  # pragma: no cover - exercised where SciPy is absent
 
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
-PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time
+PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time,
+HALF_WAY = True  # and improves each plan again half-way to the next slower planned time
 SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged,
 SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at least 6 chords each)
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
@@ -247,40 +250,37 @@ class _MaxFlow:
 
     def augment(self, s: int, t: int) -> int:
         """Push flow along shortest augmenting paths until none is left; the amount pushed."""
-        to, cap, head = self.to, self.cap, self.head
+        to, cap, head, n = self.to, self.cap, self.head, self.n
         total = 0
         while True:
-            parent = [-1] * self.n
+            parent = [-1] * n
             parent[s] = -2
             q = [s]
-            found = False
+            append = q.append
             for u in q:  # breadth first: the list grows while it is walked
                 for e in head[u]:
-                    if cap[e] > 0:
+                    if cap[e]:  # capacities are never negative
                         v = to[e]
                         if parent[v] == -1:
                             parent[v] = e
-                            if v == t:
-                                found = True
-                                break
-                            q.append(v)
-                if found:
+                            append(v)
+                if parent[t] != -1:
                     break
-            if not found:
+            if parent[t] == -1:
                 self.seen = [x != -1 for x in parent]  # what s reaches: the source side of a minimum cut
                 return total
             f = _INF
+            path = []
             v = t
             while v != s:
                 e = parent[v]
-                f = min(f, cap[e])
+                path.append(e)
+                if cap[e] < f:
+                    f = cap[e]
                 v = to[e ^ 1]
-            v = t
-            while v != s:
-                e = parent[v]
+            for e in path:
                 cap[e] -= f
                 cap[e ^ 1] += f
-                v = to[e ^ 1]
             total += f
             if total >= _INF // 2:
                 return total
@@ -864,10 +864,15 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     # deadline; the greedy pass then spends what rounding left.
     rows = batch.improve(rows, limits)
     # Each plan, improved again at the next slower iteration time, is a second candidate there:
-    # a greedy pass from a different start (the frontier keeps whichever is better).
-    again = batch.improve(rows[1:], limits[:-1])
+    # a greedy pass from a different start (the frontier keeps whichever is better). And half-way
+    # to it: a straggler's pace falls anywhere between two planned times, and the float a plan
+    # leaves below the next time is often enough for a slower option or two.
+    later = [limits[:-1], (limits[:-1] + limits[1:]) // 2] if HALF_WAY else [limits[:-1]]
+    starts = np.vstack([rows[1:]] * len(later))
+    again = batch.improve(starts, np.concatenate(later))
+    again = again[(again != starts).any(axis=1)]
     # The fastest time once more, on real times, from the relaxed plan that fits it.
-    rows = np.vstack([rows, again[(again != rows[1:]).any(axis=1)], batch.fastest(start[-1:])])
+    rows = np.vstack([rows, again, batch.fastest(start[-1:])])
     return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
                                "refreshes": walker.refreshes, "deadlines": len(deadlines)}
 
