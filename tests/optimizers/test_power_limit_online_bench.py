@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,17 +12,8 @@ needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = ROOT / "benchmarks" / "power_limit_online.py"
-    spec = importlib.util.spec_from_file_location("power_limit_online", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def bench(load_benchmark):
+    return load_benchmark("power_limit_online")
 
 
 @pytest.fixture(autouse=True)

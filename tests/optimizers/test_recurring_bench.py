@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from functools import partial
@@ -16,16 +15,8 @@ pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/nsdi
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("recurring", ROOT / "benchmarks" / "recurring.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def bench(load_benchmark):
+    return load_benchmark("recurring")
 
 
 @pytest.fixture(scope="module")
