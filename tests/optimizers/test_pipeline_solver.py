@@ -405,3 +405,24 @@ def test_plans_improved_half_way_to_the_next_time_fill_the_frontier_between(
     diffs = np.array([with_half.energy_at(t) - without.energy_at(t) for t in times])
     assert (diffs <= 1e-9).all()
     assert (diffs < -1e-6).mean() > 0.2, (diffs < -1e-6).mean()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_plans_keep_every_plan_of_the_lower_envelope(seed: int) -> None:
+    """Rows are only made into plans where they may be on the lower envelope: the envelope of
+    what is kept is that of every row, duplicates and ties in time and energy included."""
+    from joules.optimizers.pipeline.solver import _Batch, _lower_envelope
+
+    dag = build_dag("1f1b", 2, 3)
+    profile = random_profile(2, 3, seed)
+    p = Problem.build(dag, profile, 10.0, 1e-6)
+    rng = np.random.default_rng(seed)
+    rows = np.array([[rng.integers(len(d)) for d in p.durations] for _ in range(300)], dtype=np.int64)
+    rows = np.vstack([rows, rows[:50]])  # duplicates
+    kept = _Batch(p).plans(rows)
+    every = [p.plan(list(r)) for r in rows]
+    assert len(kept) < len({tuple(r) for r in rows.tolist()})
+    ours, theirs = _lower_envelope(kept), _lower_envelope(every)
+    assert [q.frequencies for q in ours] == [q.frequencies for q in theirs]
+    assert [q.time_s for q in ours] == pytest.approx([q.time_s for q in theirs], rel=1e-12)
+    assert [q.energy_j for q in ours] == pytest.approx([q.energy_j for q in theirs], rel=1e-12)

@@ -1032,15 +1032,30 @@ class _Batch:
         return self.earliest_ends(dur).max(axis=1)
 
     def plans(self, rows: np.ndarray) -> list[Plan]:
-        """Real plans (times from the profile, not rounded) of option-index rows, each once."""
-        rows = np.unique(rows, axis=0) + self.offset
+        """Real plans (times from the profile, not rounded) of option-index rows, each once.
+
+        Only rows that may be on the lower envelope are made into plans: in order of iteration
+        time, then energy, those using no more energy than every row before them (any other is
+        dropped by :func:`_lower_envelope` too, whatever else it is given).
+        """
         p = self.p
-        times, energies, freqs = self.flat_t[rows], self.flat_e[rows], self.flat_f[rows]
+        cols = rows + self.offset
+        times = self.flat_t[cols]
         iteration = self.makespan(times)
-        total = energies.sum(axis=1) + p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
+        blocked = p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
+        total = self.flat_e[cols].sum(axis=1) + blocked
+        order = np.lexsort((total, iteration))
+        before = np.minimum.accumulate(np.concatenate([[np.inf], total[order][:-1]]))
+        kept = np.sort(order[total[order] <= before])
+        rows, iteration, total = rows[kept], iteration[kept], total[kept]
+        # Each row once, in lexicographic order (as np.unique(axis=0) gives them, several times faster).
+        order = np.lexsort(rows.T[::-1])
+        if order.size > 1:
+            order = order[np.concatenate([[True], (rows[order[1:]] != rows[order[:-1]]).any(axis=1)])]
+        freqs = self.flat_f[rows[order] + self.offset]
         return [
             Plan(tuple(f), float(t), float(e))
-            for f, t, e in zip(freqs.tolist(), iteration.tolist(), total.tolist(), strict=True)
+            for f, t, e in zip(freqs.tolist(), iteration[order].tolist(), total[order].tolist(), strict=True)
         ]
 
     def improve(self, choice: np.ndarray, deadline: np.ndarray, real: bool = False) -> np.ndarray:
