@@ -994,10 +994,6 @@ class _Batch:
         self.real_shift = np.asarray(group, dtype=np.float64) * real_span
         self.real_keys = self.flat_t + np.repeat(np.arange(len(first), dtype=np.float64) * real_span, sizes)
 
-    def durations_of(self, choice: np.ndarray) -> np.ndarray:
-        """Durations (rows x nodes) of option indices ``choice``."""
-        return self.flat_d[choice + self.offset]
-
     def _index_at_most(self, limit: np.ndarray, real: bool = False) -> np.ndarray:
         """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none).
 
@@ -1045,7 +1041,7 @@ class _Batch:
         blocked = p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
         total = self.flat_e[cols].sum(axis=1) + blocked
         order = np.lexsort((total, iteration))
-        before = np.minimum.accumulate(np.concatenate([[np.inf], total[order][:-1]]))
+        before = np.minimum.accumulate(np.concatenate([[np.inf], total[order]]))[:-1]
         kept = np.sort(order[total[order] <= before])
         rows, iteration, total = rows[kept], iteration[kept], total[kept]
         # Each row once, in lexicographic order (as np.unique(axis=0) gives them, several times faster).
