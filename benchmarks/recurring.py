@@ -280,10 +280,11 @@ def main() -> int:
         for job in jobs:
             row: dict[str, Any] = {"gpu": job.gpu, "workload": job.spec.workload,
                                    "recurrences": job.default_recurrences(), "policies": {}}
+            factories = dict(policies)
             if args.ceiling:
-                oracle = oracle_config(job, args.eta).batch_size
-                policies.update({n: partial(cls, oracle=oracle) for n, cls in CEILING.items()})
-            for name, factory in policies.items():
+                row["oracle_batch_size"] = oracle = oracle_config(job, args.eta).batch_size
+                factories.update({n: partial(cls, oracle=oracle) for n, cls in CEILING.items()})
+            for name, factory in factories.items():
                 res = run_joules(job, factory, seeds, args.eta, args.beta, not args.stop_after)
                 summarize(res, job, args.eta)
                 row["policies"][name] = res
@@ -364,9 +365,9 @@ def main() -> int:
             c.add_column(f"energy saved\n{name}", justify="right")
         for name in names:
             c.add_column(f"gap\n{name}", justify="right")
-        for row, job in zip(rows, jobs, strict=True):
+        for row in rows:
             pol = row["policies"]
-            c.add_row(row["gpu"], row["workload"], str(oracle_config(job, args.eta).batch_size),
+            c.add_row(row["gpu"], row["workload"], str(row["oracle_batch_size"]),
                       *(f"{pol[n]['energy_saved_pct']:.2f} %" for n in names),
                       *(f"{pol[n]['gap_pct']:.2f} %" for n in names))
         c.add_row("mean", "", "", *(f"{mean(n, 'energy_saved_pct'):.2f} %" for n in names),

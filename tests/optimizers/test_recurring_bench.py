@@ -60,3 +60,6 @@ def test_ceiling_flag_adds_the_rows(bench, tmp_path, monkeypatch, capsys) -> Non
     for row in data["rows"]:
         assert set(row["policies"]) == names
         assert all("energy_saved_pct" in p and "gap_pct" in p for p in row["policies"].values())
+    squad = next(r for r in data["rows"] if r["workload"] == "squad/bert_base_uncased")
+    assert squad["oracle_batch_size"] == 32  # docs/benchmarks.md section 6
+    assert squad["policies"]["oracle from the start"]["gap_pct"] < squad["policies"]["joules"]["gap_pct"]
