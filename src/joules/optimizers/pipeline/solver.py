@@ -858,19 +858,21 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     batch = _Batch(p)
     relaxed = np.array(states, dtype=np.int64).reshape(len(states), n)
     start = batch.round_down(relaxed)
-    rows = np.vstack([start, np.zeros((1, n), dtype=np.int64)])
-    limits = np.array([*deadlines, t_min], dtype=np.int64)
+    limits = np.array(deadlines, dtype=np.int64)
     # Rounding down can overshoot nothing (each duration only shrinks), so every row meets its
-    # deadline; the greedy pass then spends what rounding left.
-    rows = batch.improve(rows, limits)
-    # Each plan, improved again at the next slower iteration time, is a second candidate there:
-    # a greedy pass from a different start (the frontier keeps whichever is better). And half-way
-    # to it: a straggler's pace falls anywhere between two planned times, and the float a plan
-    # leaves below the next time is often enough for a slower option or two.
+    # deadline; the greedy pass then spends what rounding left. Each plan, improved again at the
+    # next slower iteration time, is a second candidate there: a greedy pass from a different
+    # start (the frontier keeps whichever is better). And half-way to it: a straggler's pace
+    # falls anywhere between two planned times, and the float a plan leaves below the next time
+    # is often enough for a slower option or two. (One call: such a row starts as soon as its
+    # plan is done.)
+    r = len(limits)
     later = [limits[:-1], (limits[:-1] + limits[1:]) // 2] if HALF_WAY else [limits[:-1]]
-    starts = np.vstack([rows[1:]] * len(later))
-    again = batch.improve(starts, np.concatenate(later))
-    again = again[(again != starts).any(axis=1)]
+    parent = np.concatenate([np.full(r, -1), *[np.arange(1, r)] * len(later)])
+    out = batch.improve(np.vstack([start, np.zeros((len(parent) - r, n), dtype=np.int64)]),
+                        np.concatenate([limits, *later]), parent=parent)
+    rows, again = out[:r], out[r:]
+    again = again[(again != out[parent[r:]]).any(axis=1)]
     # The fastest time once more, on real times, from the relaxed plan that fits it.
     rows = np.vstack([rows, again, batch.fastest(start[-1:])])
     return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
@@ -961,13 +963,21 @@ class _Batch:
             width = max(1, max((len(x) for x in lists), default=1))
             return np.array([[*x, *[n] * (width - len(x))] for x in lists], dtype=np.int64)
 
-        # (nodes of the level, their predecessors / successors padded with the dummy column n, one
-        # array per position: an elementwise max / min over a few columns beats a reduction)
-        self.levels = [
-            (np.array(vs, dtype=np.int64), list(padded([p.preds[v] for v in vs]).T),
-             list(padded([p.succs[v] for v in vs]).T))
-            for _, vs in sorted(levels.items())
-        ]
+        # Nodes in order of depth (``perm[i]`` is the node at position ``i``; ``pos`` the inverse), so
+        # that each depth is one slice of a nodes x rows array. Per depth: its slice, and its nodes'
+        # predecessors / successors as positions, padded with the dummy position n, one array per
+        # place in the list (an elementwise max / min over a few gathered rows beats a reduction).
+        self.perm = np.array([v for _, vs in sorted(levels.items()) for v in vs], dtype=np.int64)
+        self.pos = np.empty(n, dtype=np.int64)
+        self.pos[self.perm] = np.arange(n)
+        where = [*self.pos.tolist(), n]
+        self.levels = []
+        lo = 0
+        for _, vs in sorted(levels.items()):
+            preds = padded([tuple(where[u] for u in p.preds[v]) for v in vs])
+            succs = padded([tuple(where[w] for w in p.succs[v]) for v in vs])
+            self.levels.append((lo, lo + len(vs), list(preds.T), list(succs.T)))
+            lo += len(vs)
         # Computations sharing their options (one stage and kind, as Problem.build makes them)
         # share one table: the searches below run over far fewer keys.
         group_of: dict[tuple[int, int, int], int] = {}
@@ -993,6 +1003,15 @@ class _Batch:
         real_span = self.real_span = 2.0 * float(self.flat_t.max(initial=0.0)) + 1.0
         self.real_shift = np.asarray(group, dtype=np.float64) * real_span
         self.real_keys = self.flat_t + np.repeat(np.arange(len(first), dtype=np.float64) * real_span, sizes)
+        # Per option, how much longer its node's next slower option is (infinite for the slowest):
+        # a node whose float is shorter has no move.
+        ends = np.cumsum(sizes) - 1
+        self.step_d = np.empty(len(self.flat_d), dtype=np.int64)
+        self.step_d[:-1] = self.flat_d[1:] - self.flat_d[:-1]
+        self.step_d[ends] = _INF
+        self.step_t = np.empty(len(self.flat_t), dtype=np.float64)
+        self.step_t[:-1] = self.flat_t[1:] - self.flat_t[:-1]
+        self.step_t[ends] = np.inf
 
     def _index_at_most(self, limit: np.ndarray, real: bool = False) -> np.ndarray:
         """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none).
@@ -1011,21 +1030,19 @@ class _Batch:
         """Per row and node, the slowest option no longer than the duration (the fastest if none)."""
         return np.maximum(self._index_at_most(durations), 0)
 
-    def earliest_ends(self, dur: np.ndarray) -> np.ndarray:
-        """Earliest end of every node (rows x nodes); works for integer and real durations."""
-        rows = dur.shape[0]
-        ef = np.zeros((rows, self.n + 1), dtype=dur.dtype)
-        for vs, preds, _ in self.levels:
-            acc = ef[:, preds[0]]
+    def _ends(self, dur: np.ndarray) -> np.ndarray:
+        """Earliest end at every position, positions x rows (``dur`` positions x rows; row n is 0)."""
+        ef = np.zeros((self.n + 1, dur.shape[1]), dtype=dur.dtype)
+        for lo, hi, preds, _ in self.levels:
+            acc = ef[preds[0]]
             for col in preds[1:]:
-                np.maximum(acc, ef[:, col], out=acc)
-            acc += dur[:, vs]
-            ef[:, vs] = acc
-        return ef[:, : self.n]
+                np.maximum(acc, ef[col], out=acc)
+            np.add(acc, dur[lo:hi], out=ef[lo:hi])
+        return ef
 
     def makespan(self, dur: np.ndarray) -> np.ndarray:
-        """Longest path of each row."""
-        return self.earliest_ends(dur).max(axis=1)
+        """Longest path of each row (``dur`` rows x nodes; integer or real durations)."""
+        return self._ends(np.ascontiguousarray(dur[:, self.perm].T))[: self.n].max(axis=0)
 
     def plans(self, rows: np.ndarray) -> list[Plan]:
         """Real plans (times from the profile, not rounded) of option-index rows, each once.
@@ -1054,40 +1071,86 @@ class _Batch:
             for f, t, e in zip(freqs.tolist(), iteration[order].tolist(), total[order].tolist(), strict=True)
         ]
 
-    def improve(self, choice: np.ndarray, deadline: np.ndarray, real: bool = False) -> np.ndarray:
+    def improve(self, choice: np.ndarray, deadline: np.ndarray, real: bool = False,
+                parent: np.ndarray | None = None) -> np.ndarray:
         """Greedily move computations to slower, cheaper options while each row's deadline holds.
 
         Each round computes every node's float and, per row, applies the single move (a node to
         the slowest option its float allows) with the largest saving. Deadlines are in units,
         or with ``real`` in seconds, held by the real option times.
+
+        Args:
+            choice: Option indices, rows x nodes.
+            deadline: Each row's deadline.
+            real: Deadlines in seconds of real option time.
+            parent: Per row, ``-1``, or the row whose result is this row's start (its ``choice``
+                is then ignored). Such a row starts as soon as its parent is done, in the same
+                rounds as the rest: fewer rounds than improving the two sets one after the other.
         """
-        choice = choice.copy()
+        # Positions x rows: a node's values for every row lie together, and a depth is a slice.
+        # Options as indices into the flat tables.
+        out = np.ascontiguousarray((choice + self.offset)[:, self.perm].T)
         rows = np.arange(choice.shape[0])
+        parent = np.full(rows.size, -1) if parent is None else np.asarray(parent, dtype=np.int64)
+        rows, kids = rows[parent < 0], rows[parent >= 0]
         n = self.n
-        table = self.flat_t if real else self.flat_d
+        table, step = (self.flat_t, self.step_t) if real else (self.flat_d, self.step_d)
+        keys, shift = (self.real_keys, self.real_shift) if real else (self.keys, self.shift)
+        shift = shift[self.perm]
+        top = self.real_span - 1.0 if real else self.span - 1
         while rows.size:
-            ch = choice[rows]
-            dur = table[ch + self.offset]
-            ef = self.earliest_ends(dur)
-            ls = np.empty((rows.size, n + 1), dtype=dur.dtype)
-            ls[:, n] = deadline[rows]
+            at = out[:, rows]
+            dur = table[at]
+            ef = self._ends(dur)
+            ls = np.empty((n + 1, rows.size), dtype=dur.dtype)
+            ls[n] = deadline[rows]
             lf = np.empty_like(dur)
-            for vs, _, succs in reversed(self.levels):
-                acc = ls[:, succs[0]]
+            for lo, hi, _, succs in reversed(self.levels):
+                acc = lf[lo:hi]
+                np.take(ls, succs[0], axis=0, out=acc)
                 for col in succs[1:]:
-                    np.minimum(acc, ls[:, col], out=acc)
-                lf[:, vs] = acc
-                ls[:, vs] = acc - dur[:, vs]
-            k2 = np.maximum(self._index_at_most(lf - ef + dur, real), ch)
-            gains = self.flat_c[ch + self.offset] - self.flat_c[k2 + self.offset]
-            best = gains.argmax(axis=1)
-            idx = np.arange(rows.size)
-            moving = gains[idx, best] > 0
-            if not moving.any():
-                break
-            rows, best, idx = rows[moving], best[moving], idx[moving]
-            choice[rows, best] = k2[idx, best]
-        return choice
+                    np.minimum(acc, ls[col], out=acc)
+                np.subtract(acc, dur[lo:hi], out=ls[lo:hi])
+            # Only nodes whose float reaches their next slower option can move (flat indices into
+            # the positions x rows arrays).
+            slack = lf - ef[:n]
+            a = rows.size
+            fi = np.flatnonzero(slack >= step[at])
+            if not fi.size:
+                if not kids.size:
+                    break
+                rows, kids = self._start_kids(out, rows, kids, parent)
+                continue
+            at_pos = fi // a
+            # (a float past the slowest option stays within the node's own keys)
+            limit = np.minimum(dur.ravel()[fi] + slack.ravel()[fi], top)
+            k2 = np.searchsorted(keys, limit + shift[at_pos], side="right") - 1
+            # The move of largest saving per row; of equal ones, the lowest node's (in the DAG's order).
+            by_node = self.perm[at_pos] * a + (fi - at_pos * a)
+            gains = np.zeros(n * a)
+            gains[by_node] = self.flat_c[at.ravel()[fi]] - self.flat_c[k2]
+            moves = np.zeros(n * a, dtype=np.int64)
+            moves[by_node] = k2
+            best = gains.reshape(n, a).argmax(axis=0) * a + np.arange(a)
+            moving = gains[best] > 0
+            out[self.pos[best[moving] // a], rows[moving]] = moves[best[moving]]
+            if kids.size and not moving.all():
+                moved, kids = self._start_kids(out, rows[~moving], kids, parent)
+                rows = np.concatenate([rows[moving], moved])
+            else:
+                rows = rows[moving]
+        return out.T[:, self.pos] - self.offset
+
+    @staticmethod
+    def _start_kids(out: np.ndarray, done: np.ndarray, kids: np.ndarray,
+                    parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start the rows waiting on rows ``done``, from their results; (started, still waiting)."""
+        finished = np.zeros(out.shape[1], dtype=bool)
+        finished[done] = True
+        go = finished[parent[kids]]
+        started = kids[go]
+        out[:, started] = out[:, parent[started]]
+        return started, kids[~go]
 
     def fastest(self, start: np.ndarray) -> np.ndarray:
         """A plan of the real fastest iteration time, improved from ``start`` (one row) on real times.
