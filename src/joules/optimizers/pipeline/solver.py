@@ -1009,6 +1009,10 @@ class _Batch:
         self.step_d = np.empty(len(self.flat_d), dtype=np.int64)
         self.step_d[:-1] = self.flat_d[1:] - self.flat_d[:-1]
         self.step_d[ends] = _INF
+        # The greedy pass moves less memory on 32-bit durations, where every path fits in them.
+        narrow = sum(ds[-1] for ds in p.durations) < 2**31 - 1
+        self.pass_d = self.flat_d.astype(np.int32) if narrow else self.flat_d
+        self.pass_step = np.minimum(self.step_d, 2**31 - 1).astype(np.int32) if narrow else self.step_d
         self.step_t = np.empty(len(self.flat_t), dtype=np.float64)
         self.step_t[:-1] = self.flat_t[1:] - self.flat_t[:-1]
         self.step_t[ends] = np.inf
@@ -1094,7 +1098,7 @@ class _Batch:
         parent = np.full(rows.size, -1) if parent is None else np.asarray(parent, dtype=np.int64)
         rows, kids = rows[parent < 0], rows[parent >= 0]
         n = self.n
-        table, step = (self.flat_t, self.step_t) if real else (self.flat_d, self.step_d)
+        table, step = (self.flat_t, self.step_t) if real else (self.pass_d, self.pass_step)
         keys, shift = (self.real_keys, self.real_shift) if real else (self.keys, self.shift)
         shift = shift[self.perm]
         top = self.real_span - 1.0 if real else self.span - 1
