@@ -426,3 +426,56 @@ def test_batch_plans_keep_every_plan_of_the_lower_envelope(seed: int) -> None:
     assert [q.frequencies for q in ours] == [q.frequencies for q in theirs]
     assert [q.time_s for q in ours] == pytest.approx([q.time_s for q in theirs], rel=1e-12)
     assert [q.energy_j for q in ours] == pytest.approx([q.energy_j for q in theirs], rel=1e-12)
+
+
+def _greedy_reference(p: Problem, choice: list[int], deadline: int) -> list[int]:
+    """The greedy pass, one row, in plain Python: each round the single move saving the most."""
+    choice = list(choice)
+    n = len(choice)
+    while True:
+        dur = [p.durations[v][choice[v]] for v in range(n)]
+        ef = [0] * n
+        for v in range(n):  # nodes are in topological order
+            ef[v] = max((ef[u] for u in p.preds[v]), default=0) + dur[v]
+        lf = [0] * n
+        for v in range(n - 1, -1, -1):
+            lf[v] = min((lf[w] - dur[w] for w in p.succs[v]), default=deadline)
+        best, move = 0.0, None
+        for v in range(n):
+            fits = [k for k, d in enumerate(p.durations[v]) if d <= dur[v] + lf[v] - ef[v]]
+            if fits and max(fits) > choice[v]:
+                gain = p.costs[v][choice[v]] - p.costs[v][max(fits)]
+                if gain > best:  # ties: the lowest node
+                    best, move = gain, (v, max(fits))
+        if move is None:
+            return choice
+        choice[move[0]] = move[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_pass_is_the_one_move_per_round_greedy(seed: int) -> None:
+    """The vectorized greedy pass gives, row by row, what the plain greedy gives; rows that start
+    from another row's result (``parent``) give what a second call from that result gives; and a
+    deadline far past the slowest plan moves every computation to its slowest option."""
+    from joules.optimizers.pipeline.solver import _Batch
+
+    dag = build_dag("1f1b", 3, 4)
+    profile = random_profile(3, 4, seed)
+    p = Problem.build(dag, profile, 10.0, UNIT)
+    batch = _Batch(p)
+    rng = np.random.default_rng(seed)
+    fastest = p.makespan([d[0] for d in p.durations])
+    slowest = p.makespan([d[-1] for d in p.durations])
+    rows = np.array([[rng.integers(len(d)) for d in p.durations] for _ in range(40)], dtype=np.int64)
+    rows[:10] = 0
+    deadline = rng.integers(fastest, slowest + 1, size=len(rows))
+    deadline[-1] = 50 * slowest
+    out = batch.improve(rows, deadline)
+    for r in range(len(rows)):
+        assert out[r].tolist() == _greedy_reference(p, rows[r].tolist(), int(deadline[r])), r
+    assert out[-1].tolist() == [len(d) - 1 for d in p.durations]
+    later = deadline + rng.integers(0, 5, size=len(rows))
+    chained = batch.improve(np.vstack([rows, rows]), np.concatenate([deadline, later]),
+                            parent=np.concatenate([np.full(len(rows), -1), np.arange(len(rows))]))
+    assert (chained[: len(rows)] == out).all()
+    assert (chained[len(rows):] == batch.improve(out, later)).all()
