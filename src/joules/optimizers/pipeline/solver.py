@@ -944,9 +944,11 @@ def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> li
 class _Batch:
     """Many plans of one problem at once (rows), vectorized with numpy.
 
-    Nodes are grouped by depth (nodes of one depth never depend on each other), so a
-    longest-path pass costs a few numpy operations per depth for every row at once. Each
-    node's options live in one flat table, node ``v``'s at ``offset[v]`` onward.
+    Plans come in and go out as rows (plans x nodes). Inside, arrays are nodes x plans with
+    the nodes in order of depth (nodes of one depth never depend on each other, and each
+    depth is one slice), so a longest-path pass costs a few numpy operations per depth for
+    every plan at once. Each node's options live in one flat table, node ``v``'s at
+    ``offset[v]`` onward.
     """
 
     def __init__(self, p: Problem) -> None:
