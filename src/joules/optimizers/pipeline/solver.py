@@ -1011,30 +1011,19 @@ class _Batch:
         self.step_d = np.empty(len(self.flat_d), dtype=np.int64)
         self.step_d[:-1] = self.flat_d[1:] - self.flat_d[:-1]
         self.step_d[ends] = _INF
+        self.step_t = np.empty(len(self.flat_t), dtype=np.float64)
+        self.step_t[:-1] = self.flat_t[1:] - self.flat_t[:-1]
+        self.step_t[ends] = np.inf
         # The greedy pass moves less memory on 32-bit durations, where every path fits in them.
         narrow = sum(ds[-1] for ds in p.durations) < 2**31 - 1
         self.pass_d = self.flat_d.astype(np.int32) if narrow else self.flat_d
         self.pass_step = np.minimum(self.step_d, 2**31 - 1).astype(np.int32) if narrow else self.step_d
-        self.step_t = np.empty(len(self.flat_t), dtype=np.float64)
-        self.step_t[:-1] = self.flat_t[1:] - self.flat_t[:-1]
-        self.step_t[ends] = np.inf
-
-    def _index_at_most(self, limit: np.ndarray, real: bool = False) -> np.ndarray:
-        """Per row and node, the index of the slowest option no longer than ``limit`` (-1 if none).
-
-        ``limit`` is in units, or in seconds of real option time with ``real``.
-        """
-        if real:
-            limit = np.clip(limit, -1.0, self.real_span - 1.0)
-            pos = np.searchsorted(self.real_keys, limit + self.real_shift, side="right") - 1
-        else:
-            limit = np.clip(limit, -1, self.span - 1)
-            pos = np.searchsorted(self.keys, limit + self.shift, side="right") - 1
-        return pos - self.offset
 
     def round_down(self, durations: np.ndarray) -> np.ndarray:
         """Per row and node, the slowest option no longer than the duration (the fastest if none)."""
-        return np.maximum(self._index_at_most(durations), 0)
+        limit = np.clip(durations, -1, self.span - 1)
+        pos = np.searchsorted(self.keys, limit + self.shift, side="right") - 1
+        return np.maximum(pos - self.offset, 0)
 
     def _ends(self, dur: np.ndarray) -> np.ndarray:
         """Earliest end at every position, positions x rows (``dur`` positions x rows; row n is 0)."""
@@ -1122,11 +1111,6 @@ class _Batch:
             slack = lf - ef[:n]
             a = rows.size
             fi = np.flatnonzero(slack >= step[at])
-            if not fi.size:
-                if not kids.size:
-                    break
-                rows, kids = self._start_kids(out, rows, kids, parent)
-                continue
             at_pos = fi // a
             # (a float past the slowest option stays within the node's own keys)
             limit = np.minimum(dur.ravel()[fi] + slack.ravel()[fi], top)
@@ -1138,7 +1122,7 @@ class _Batch:
             moves = np.zeros(n * a, dtype=np.int64)
             moves[by_node] = k2
             best = gains.reshape(n, a).argmax(axis=0) * a + np.arange(a)
-            moving = gains[best] > 0
+            moving = gains[best] > 0  # a row with no move is done
             out[self.pos[best[moving] // a], rows[moving]] = moves[best[moving]]
             if kids.size and not moving.all():
                 moved, kids = self._start_kids(out, rows[~moving], kids, parent)
