@@ -741,6 +741,93 @@ def test_skipped_edge_reads_save_calls_and_give_the_same_energy() -> None:
     assert edge_reads["skip"] < 0.5 * edge_reads["read"]
 
 
+def _slow_counter(sim: Simulator, seconds: float) -> dict[str, int]:
+    """Make every energy-counter read of ``sim``'s GPUs cost ``seconds`` of wall-clock time."""
+    calls = {"n": 0}
+    for g in sim.gpus:
+        real = g.energy_j
+
+        def slow(real=real) -> float:
+            calls["n"] += 1
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+            return real()
+
+        g.energy_j = slow  # type: ignore[method-assign]
+    return calls
+
+
+def test_sampler_reads_the_counter_about_twice_per_update() -> None:
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Periodic([(0.13, 1.0), (0.21, 0.4)]))
+    calls = _slow_counter(sim, 0.0)
+    mon = EnergyMonitor(devices=sim.devices())
+    sim.advance(2.0)
+    n = calls["n"]
+    sim.advance(10.0)  # 100 counter updates, 345 sampler ticks
+    reads = calls["n"] - n
+    assert 100 <= reads <= 230  # the tick before each update and the one after, not every tick
+    assert mon.sampler._tracks[0].tracker.locked
+    mon.close()
+
+
+def test_slow_counter_is_extrapolated_at_edges_within_the_stated_uncertainty() -> None:
+    sim = Simulator("A100,H100,nocpu")
+    sim.set_workload(Periodic([(0.13, 1.0), (0.05, 0.2), (0.21, 0.7)]))
+    calls = _slow_counter(sim, 0.001)  # 1 ms a read, as on some NVML drivers (3 ms on an H200)
+    slow = EnergyMonitor(devices=sim.devices())  # extrapolates: reads cost more than 0.5 ms
+    read = EnergyMonitor(devices=sim.devices(), max_edge_read_s=None)
+    sim.advance(2.0)
+    assert slow.sampler.counter_read_cost_s(0) >= 0.001
+    rng = random.Random(4)
+    edge_reads = {"slow": 0, "read": 0}
+    errors: dict[str, list[float]] = {"slow": [], "read": []}
+    beyond = {"slow": 0, "read": 0}  # errors larger than the stated uncertainty
+    for i in range(80):
+        sim.advance(rng.uniform(0.0, 0.3))
+        before = Truth(sim)
+        for name, mon in (("slow", slow), ("read", read)):
+            n = calls["n"]
+            mon.begin_window(f"w{i}")
+            edge_reads[name] += calls["n"] - n
+        sim.advance(rng.choice([rng.uniform(0.005, 0.09), rng.uniform(0.1, 1.5)]))
+        truth = Truth(sim).since(before)
+        for name, mon in (("slow", slow), ("read", read)):
+            n = calls["n"]
+            m = mon.end_window(f"w{i}")
+            edge_reads[name] += calls["n"] - n
+            for g in sim.gpus:
+                d = m.gpu[g.index]
+                err = abs(d.energy_j - truth["gpu"][g.index])
+                beyond[name] += err > d.uncertainty_j + 1e-6
+                errors[name].append(err / truth["gpu"][g.index])
+    assert edge_reads["slow"] == 0  # never waited for a slow read once the phase was known
+    assert slow.reads["counter_extrapolated"] > 0.1 * 80 * 2 * 2
+    assert edge_reads["read"] == read.reads["counter"] > 0
+    # As accurate as reading at every edge (half the windows are shorter than a counter
+    # period, under a load that swings every 50-210 ms: both err by several percent there).
+    mean = {k: sum(v) / len(v) for k, v in errors.items()}
+    assert mean["slow"] < 1.1 * mean["read"]
+    assert beyond["slow"] <= max(2, beyond["read"])
+    slow.close()
+    read.close()
+
+
+def test_slow_counter_is_read_at_edges_before_the_phase_is_known() -> None:
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(0.6))
+    calls = _slow_counter(sim, 0.001)
+    mon = EnergyMonitor(devices=sim.devices())
+    n = calls["n"]
+    m, truth = measure_span(sim, mon, "early", 0.05)  # phase not learned yet: read
+    assert calls["n"] > n and mon.reads["counter_extrapolated"] == 0
+    assert abs(m.gpu[0].energy_j - truth["gpu"][0]) <= m.gpu[0].uncertainty_j
+    with pytest.raises(ValueError, match="max_edge_read_s"):
+        EnergyMonitor(devices=sim.devices(), max_edge_read_s=-1.0)
+    mon.close()
+
+
 def test_skip_needs_a_locked_phase() -> None:
     sim = Simulator("A100,nocpu")
     mon = EnergyMonitor(devices=sim.devices())

@@ -148,6 +148,12 @@ class EnergyMonitor:
         skip_reads: At a window edge, do not read an energy counter that the sampler read
             after its latest update (the learned update phase proves a read would return
             the same value). Saves most NVML calls at edges; the result is the same.
+        max_edge_read_s: Where reading a GPU's energy counter takes longer than this (the
+            median of the sampler's reads; about 3 ms on an H200), an edge that falls after
+            a counter update the sampler has not read yet does not wait for a read: it
+            extrapolates from the latest value read with the latest power reading, and the
+            stated uncertainty covers the longer extrapolation. ``None``: always read.
+            Applies once the update phase is learned, with ``skip_reads``.
 
     Raises:
         DeviceNotFoundError: A requested GPU or CPU index does not exist.
@@ -166,7 +172,10 @@ class EnergyMonitor:
         log: str | Path | None = None,
         sim: str | None = None,
         skip_reads: bool = True,
+        max_edge_read_s: float | None = 0.0005,
     ) -> None:
+        if max_edge_read_s is not None and not max_edge_read_s >= 0:
+            raise ValueError(f"max_edge_read_s must be >= 0 or None, got {max_edge_read_s}")
         self.devices = devices if devices is not None else discover(sim=sim)
         self.clock = self.devices.clock
         self.gpus: list[GPU] = _select(self.devices.gpus, gpu_indices, "GPU")
@@ -196,8 +205,11 @@ class EnergyMonitor:
         self._trackers = [self.sampler.tracker(g.index) for g in self.gpus]
         self._counter = [t is not None for t in self._trackers]  # measured from the energy counter
         self._skip_reads = skip_reads
-        self.reads = {"counter": 0, "counter_skipped": 0, "power": 0}
-        """Device reads made at window edges (the sampler's not included), and reads skipped."""
+        self._max_edge_read_s = max_edge_read_s
+        self.reads = {"counter": 0, "counter_skipped": 0, "counter_extrapolated": 0, "power": 0}
+        """Device reads made at window edges (the sampler's not included), reads skipped (the
+        value is provably the latest one read), and reads avoided because they are slow (the
+        edge extrapolates from the latest value read; see ``max_edge_read_s``)."""
         self.last: dict[str, Measurement] = {}
 
     # -- edges ------------------------------------------------------------------------------
@@ -209,14 +221,23 @@ class EnergyMonitor:
         update after the edge usually is too, and interpolating between the two updates
         around the edge is more accurate than extrapolating a power reading.
         """
-        after = tracker.update_after(b.counter)
+        counter, tick, energy = b.counter, b.tick, b.energy
+        after = tracker.update_after(counter)
+        # An edge that extrapolated past an update it did not read (a slow counter, see
+        # ``max_edge_read_s``): start from that update, now known, with the same power.
+        while after is not None and after[0] <= b.t and after[1] <= e.counter:
+            tick, counter = after
+            after = tracker.update_after(counter)
+        if counter != b.counter:
+            power = (b.energy - b.counter) / (b.t - b.tick) if b.t > b.tick else 0.0
+            energy = counter + power * (b.t - tick)
         if after is None:
-            return b.energy
+            return energy
         t_next, value = after
-        if not (b.t < t_next and value <= e.counter and t_next > b.tick):
-            return b.energy
-        rate = (value - b.counter) / (t_next - b.tick)
-        return b.counter + rate * (b.t - b.tick)
+        if not (b.t < t_next and value <= e.counter and t_next > tick):
+            return energy
+        rate = (value - counter) / (t_next - tick)
+        return counter + rate * (b.t - tick)
 
     def _power_now(self, gpu: GPU, t: float) -> float:
         """The power reading at ``t``: the sampler's when provably current, else a fresh read."""
@@ -248,6 +269,21 @@ class EnergyMonitor:
         before = (b.energy - b.counter) / (b.t - b.tick)  # the reading the edge extrapolated
         return b.counter + before * (split - b.tick) + power * (b.t - split)
 
+    def _extrapolate(self, k: int, tracker: CounterTracker, t: float) -> tuple[float, float, float] | None:
+        """The latest value read, for an edge where reading the counter would be slow.
+
+        Only with a learned phase and a recent read (within a counter period and two sampler
+        intervals of ``t``), so that the extrapolation spans at most that long.
+        """
+        cost = self.sampler.counter_read_cost_s(self.gpus[k].index)
+        if cost is None or cost <= self._max_edge_read_s or not tracker.locked:
+            return None
+        snap = tracker.snapshot
+        if snap is None or not 0.0 <= t - snap[0] <= self._periods[k] + 2 * self.sampler.interval_s:
+            return None
+        self.reads["counter_extrapolated"] += 1
+        return snap[2], snap[3], snap[4]
+
     def _edge(self, name: str) -> _Edge:
         if self._forked:
             self._forked = False
@@ -259,7 +295,7 @@ class EnergyMonitor:
         sampler = self.sampler
         skip = self._skip_reads
         gpu_edges = []
-        for gpu, tracker in zip(self.gpus, self._trackers, strict=True):
+        for k, (gpu, tracker) in enumerate(zip(self.gpus, self._trackers, strict=True)):
             if tracker is None:  # no counter: the sampler's running integral
                 t = now()
                 count, energy, last_t, last_p = sampler.integral_state(gpu.index)
@@ -269,6 +305,8 @@ class EnergyMonitor:
                 continue
             t = now()
             known = tracker.current(t) if skip else None
+            if known is None and skip and self._max_edge_read_s is not None:
+                known = self._extrapolate(k, tracker, t)
             if known is None:
                 self.reads["counter"] += 1
                 c = gpu.energy_j()

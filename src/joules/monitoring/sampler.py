@@ -17,6 +17,8 @@ import bisect
 import csv
 import json
 import math
+import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -272,6 +274,10 @@ class _GPUTrack:
     recent_max: float = 0.0
     recent_min: float = math.inf
     sensor: CounterTracker | None = None  # update phase of the power reading
+    # Wall-clock seconds of the latest energy-counter reads (what a read costs the caller),
+    # and their median.
+    read_costs: deque[float] | None = None
+    read_cost: float | None = None
 
 
 class PowerSampler:
@@ -352,11 +358,18 @@ class PowerSampler:
         return self._timer is not None and getattr(self._timer, "alive", True)
 
     def _tick(self, now: float) -> None:
+        next_tick = now + self.interval_s
         for track in self._tracks.values():
             try:
-                if track.tracker is not None:
+                # A counter whose learned phase proves it cannot change before the next tick
+                # is not read: reads come at the last tick before each update and the first
+                # after it, which is what the phase and the edges need (about two reads per
+                # counter period instead of one per tick).
+                if track.tracker is not None and track.tracker.current(next_tick) is None:
                     t_before = self.clock.now()
+                    w0 = time.perf_counter()
                     value = track.gpu.energy_j()
+                    self._read_cost(track, time.perf_counter() - w0)
                     track.tracker.observe(self.clock.now(), value, t_before)
                 t_before = self.clock.now()
                 p = track.gpu.power_w()
@@ -376,6 +389,22 @@ class PowerSampler:
                         cpu.dram_energy_j()
                 except Exception:  # noqa: BLE001
                     self.errors += 1
+
+    @staticmethod
+    def _read_cost(track: _GPUTrack, seconds: float) -> None:
+        if track.read_costs is None:
+            track.read_costs = deque(maxlen=15)
+        track.read_costs.append(seconds)
+        track.read_cost = statistics.median(track.read_costs)
+
+    def counter_read_cost_s(self, index: int) -> float | None:
+        """Median wall-clock time of the sampler's latest reads of GPU ``index``'s energy counter.
+
+        ``None`` before the first read, or without a counter. Reading the counter costs
+        microseconds on most GPUs, but milliseconds on some (about 3 ms on an H200 with driver
+        580): the monitor then avoids reading it at window edges.
+        """
+        return self._tracks[index].read_cost
 
     def _add(self, track: _GPUTrack, t: float, p: float, update: float | None = None) -> None:
         """Add a reading ``p`` taken at ``t``; ``update``: when the sensor produced it, if known.
