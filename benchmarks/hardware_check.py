@@ -7,7 +7,8 @@ For every visible NVIDIA GPU it reports
 * how often the energy counter and the power reading actually change (the update periods
   joules' sampler relies on), found by polling them back to back;
 * the cost of one ``begin_window`` + ``end_window`` once the sampler has learned the
-  counter's phase, and how many NVML reads the windows needed;
+  counter's phase (median, mean and 99th percentile over windows spread over time), and how
+  many NVML reads the windows needed;
 * how the counter and the sampled power agree over 1 s windows (with a CUDA load from
   PyTorch when it is installed and sees the GPU, otherwise idle).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import sys
 import threading
@@ -165,9 +167,23 @@ def check_gpu(gpu: GPU, clock: RealClock, quick: bool, simulated: bool = False,
         time.sleep(2.0)  # the sampler learns the counter's phase
         reads0 = dict(monitor.reads)
         windows = 200 if quick else 2000
-        out["window_us"] = call_cost_us(lambda: (monitor.begin_window("w"), monitor.end_window("w")),
-                                        windows)
+        # Windows spread over time (a random pause of up to 2 ms after each), so that their
+        # edges fall at every phase of the counter's updates, as in a training loop.
+        costs = []
+        rng = random.Random(0)
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            monitor.begin_window("w")
+            monitor.end_window("w")
+            costs.append(time.perf_counter() - t0)
+            time.sleep(rng.uniform(0.0, 0.002))
+        costs.sort()
+        out["window_us"] = statistics.median(costs) * 1e6
+        out["window_mean_us"] = statistics.fmean(costs) * 1e6
+        out["window_p99_us"] = costs[int(0.99 * len(costs))] * 1e6
         out["edge_reads_per_window"] = {k: (monitor.reads[k] - reads0[k]) / windows for k in reads0}
+        out["counter_read_cost_us"] = (None if monitor.sampler.counter_read_cost_s(gpu.index) is None
+                                       else monitor.sampler.counter_read_cost_s(gpu.index) * 1e6)
         load_ctx = contextlib.nullcontext("simulated bursts") if simulated else cuda_load(gpu.index)
         with load_ctx as load:
             out["load"] = load
@@ -225,7 +241,8 @@ def main() -> int:
                    for g in gpus]
     for r in results:
         print(f"GPU {r['index']} {r['name']}: counter={r['counter']}")
-        for key in ("energy_call_us", "power_call_us", "average_power_call_us", "window_us"):
+        for key in ("energy_call_us", "power_call_us", "average_power_call_us", "window_us",
+                    "window_mean_us", "window_p99_us"):
             if key in r:
                 print(f"  {key:24s} {r[key]:10.1f}")
         for key in ("counter_period_s", "power_period_s"):
