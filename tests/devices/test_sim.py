@@ -677,3 +677,26 @@ def test_forked_child_reads_simulated_devices_whose_locks_the_parent_held() -> N
         for r in releases:
             r.set()
     assert out == "(True, True)", "the child hung on a simulated device's lock"
+
+
+def test_sensor_values_are_latched_at_their_update_ticks() -> None:
+    """A counter or power value changes only at its update ticks, bit for bit, however the
+    simulator's integral moved meanwhile (a 1 mJ float change between two updates would look
+    like an extra update and throw off the monitor's phase)."""
+    clock = VirtualClock()
+    gpu = SimGPU(A100, clock, workload=Periodic([(0.37, 0.9), (0.21, 0.3)]))
+    last: tuple[float, float, float, float] | None = None
+    changes = ticks = 0
+    for i in range(2000):  # 14 s: the integral's checkpoint moves several times
+        clock.advance(0.007)
+        if i % 3 == 0:
+            gpu._energy_at(clock.now() + 4.5)  # integrate elsewhere, as other reads do
+        tick = math.floor(clock.now() / 0.1)  # both sensors update every 100 ms, phase 0
+        values = (tick, gpu.energy_j(), gpu.power_w(), gpu.average_power_w())
+        if last is not None:
+            ticks += tick != last[0]
+            changes += values[1:] != last[1:]
+            if tick == last[0]:
+                assert values == last
+        last = values
+    assert changes == ticks > 130

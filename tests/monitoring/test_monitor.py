@@ -828,6 +828,32 @@ def test_slow_counter_is_read_at_edges_before_the_phase_is_known() -> None:
     mon.close()
 
 
+def test_windows_stay_within_uncertainty_with_a_second_monitor_reading_the_same_gpus() -> None:
+    """At a constant load every counter tick is a whole number of mJ; a simulated counter that
+    recomputed a tick's value later could read 1 mJ off, which the monitor took for an update
+    between two real ones and mis-anchored a begin edge by 38 ms of power (11 J)."""
+    sim = Simulator("A100,H100,nocpu")
+    sim.set_workload(Periodic([(1.0, 0.7)]))
+    other = EnergyMonitor(devices=sim.devices())
+    mon = EnergyMonitor(devices=sim.devices())
+    sim.advance(2.0)
+    rng = random.Random(1)
+    for i in range(30):
+        sim.advance(rng.uniform(0.0, 0.3))
+        before = Truth(sim)
+        other.begin_window(f"w{i}")
+        mon.begin_window(f"w{i}")
+        sim.advance(rng.choice([rng.uniform(0.005, 0.09), rng.uniform(0.1, 1.5)]))
+        truth = Truth(sim).since(before)
+        other.end_window(f"w{i}")
+        m = mon.end_window(f"w{i}")
+        for g in sim.gpus:
+            err = abs(m.gpu[g.index].energy_j - truth["gpu"][g.index])
+            assert err <= m.gpu[g.index].uncertainty_j + 1e-9, (i, g.index, err)
+    other.close()
+    mon.close()
+
+
 def test_skip_needs_a_locked_phase() -> None:
     sim = Simulator("A100,nocpu")
     mon = EnergyMonitor(devices=sim.devices())

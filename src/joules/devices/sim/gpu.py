@@ -99,6 +99,9 @@ class SimGPU(GPU):
         self._offset_j = 1000.0 * (index + 1) if counter_offset_j is None else counter_offset_j
         self._sm_lock: tuple[float, float] | None = None
         self._mem_lock: tuple[float, float] | None = None
+        # Sensor values latched at their update ticks, as hardware holds them: recomputing one
+        # later (the integral's checkpoint having moved) could differ in the last mJ / mW.
+        self._latched: dict[str, tuple[float, float]] = {}
         self._epochs = [
             _Epoch(
                 self._t_created, 0.0, model.default_limit_w, model.max_sm_mhz,
@@ -241,8 +244,11 @@ class SimGPU(GPU):
             raise NotSupportedError(f"GPU {self.index} ({self.name}) has no energy counter")
         with self._lock:
             t = self._last_tick(self.model.counter_period_s, self._phase)
-            e = self._energy_at(t) if t >= self._t_created else 0.0
-            return self._offset_j + math.floor(e * 1000.0) / 1000.0
+            latched = self._latched.get("energy")
+            if latched is None or latched[0] != t:
+                e = self._energy_at(t) if t >= self._t_created else 0.0
+                latched = self._latched["energy"] = (t, math.floor(e * 1000.0) / 1000.0)
+            return self._offset_j + latched[1]
 
     def energy_counter_period_s(self) -> float | None:
         return self.model.counter_period_s if self.model.energy_counter else None
@@ -254,19 +260,22 @@ class SimGPU(GPU):
         with self._lock:
             m = self.model
             t = self._last_tick(m.power_period_s)
-            span = m.sample_fraction * m.power_period_s
-            p = (self._energy_at(t) - self._energy_at(t - span)) / span
-            return math.floor(p * 1000.0) / 1000.0
+            return self._latch("power", t, m.sample_fraction * m.power_period_s)
 
     def average_power_w(self) -> float:
         m = self.model
         if m.averaged_power_s is None:
             return self.power_w()
         with self._lock:
-            t = self._last_tick(m.power_period_s)
-            span = m.averaged_power_s
+            return self._latch("average", self._last_tick(m.power_period_s), m.averaged_power_s)
+
+    def _latch(self, key: str, t: float, span: float) -> float:
+        """Average power over ``span`` before the update tick ``t``, W (mW resolution), latched."""
+        latched = self._latched.get(key)
+        if latched is None or latched[0] != t:
             p = (self._energy_at(t) - self._energy_at(t - span)) / span
-            return math.floor(p * 1000.0) / 1000.0
+            latched = self._latched[key] = (t, math.floor(p * 1000.0) / 1000.0)
+        return latched[1]
 
     # -- power limit ------------------------------------------------------------------------
     def power_limit_w(self) -> float:
