@@ -51,3 +51,28 @@ def test_clock_latency_resets_after_an_error(check, a100) -> None:
     with pytest.raises(RuntimeError, match="NVML went away"):
         check.clock_latency(gpu, rounds=4)
     assert sim.gpus[0].sm_clock_locked() is None
+
+
+def test_readonly_guard_refuses_every_nvml_setter_in_a_child_process(tmp_path) -> None:
+    """benchmarks/_readonly on PYTHONPATH: NVML setters raise before reaching the driver; reads
+    are untouched. Checked with nvidia-ml-py itself, whose functions exist without a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import pynvml, os\n"
+        "refused = []\n"
+        "for name in ('nvmlDeviceSetPowerManagementLimit', 'nvmlDeviceSetGpuLockedClocks',\n"
+        "             'nvmlDeviceResetGpuLockedClocks', 'nvmlDeviceSetPersistenceMode'):\n"
+        "    try:\n"
+        "        getattr(pynvml, name)(None, 1)\n"
+        "    except PermissionError as e:\n"
+        "        refused.append(name in str(e))\n"
+        "print(sum(refused), os.environ.get('JOULES_READONLY_NVML'),\n"
+        "      pynvml.nvmlDeviceGetPowerUsage.__module__)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks" / "_readonly"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["4", "1", "pynvml"]
