@@ -14,6 +14,7 @@ from rich.console import Console
 
 from joules.cli import main
 from joules.cli.demo import run_demo
+from joules.devices.base import DeviceSet
 from joules.testing.processes import sim_child_env
 
 JOULES = str(Path(sys.executable).parent / "joules")
@@ -37,6 +38,24 @@ def test_info_json_lists_simulated_devices() -> None:
     assert info["gpus"][0]["power_limit_range_w"] == [100.0, 400.0]
     assert info["gpus"][0]["energy_counter"] is True
     assert info["cpus"][0]["dram"] is False  # AMD packages have no DRAM zone
+
+
+def test_info_times_a_counter_read_and_shows_milliseconds_where_it_is_slow() -> None:
+    from joules.cli.info import counter_read_us, render
+    from joules.devices.nvidia import discover_nvml
+    from joules.devices.sim import Simulator
+    from joules.testing import fake_pynvml
+
+    r = joules("info", "--json", "--sim", "A100,P100")
+    gpus = json.loads(r.stdout)["gpus"]
+    assert 0 < gpus[0]["energy_counter_read_us"] < 1000 and gpus[1]["energy_counter_read_us"] is None
+    sim = Simulator("H100,nocpu")
+    with fake_pynvml.installed(sim, call_latency_s=0.003):  # as slow as an H200's counter
+        gpus, _ = discover_nvml({})
+        assert counter_read_us(gpus[0]) >= 3000
+        console = Console(record=True, width=200)
+        render(DeviceSet(gpus=gpus, cpus=[], clock=sim.clock), console)
+    assert re.search(r"yes \(read [34]\.\d ms\)", console.export_text())
 
 
 def test_info_reports_problem_with_fix_for_gpu_without_counter() -> None:

@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from joules.cli import SIM_HELP, use_sim
-from joules.devices.base import DeviceSet
+from joules.devices.base import GPU, DeviceSet
 from joules.devices.discovery import discover
+
+
+def counter_read_us(gpu: GPU, reads: int = 5) -> float | None:
+    """Median wall-clock cost of one energy-counter read, µs (``None`` without a readable counter).
+
+    Microseconds on most GPUs, milliseconds on some (3 ms on an H200): the monitor then
+    avoids reading the counter at window edges (``EnergyMonitor(max_edge_read_s=...)``).
+    """
+    if not gpu.has_energy_counter():
+        return None
+    costs = []
+    try:
+        for _ in range(reads):
+            t0 = time.perf_counter()
+            gpu.energy_j()
+            costs.append(time.perf_counter() - t0)
+    except Exception:  # noqa: BLE001 - describe() reports the device; this is a timing only
+        return None
+    return statistics.median(costs) * 1e6
 
 
 def info_dict(devices: DeviceSet) -> dict[str, object]:
     """JSON-ready description of a device set."""
     return {
         "backend": devices.backend,
-        "gpus": [g.describe() for g in devices.gpus],
+        "gpus": [{**g.describe(), "energy_counter_read_us": counter_read_us(g)} for g in devices.gpus],
         "cpus": [c.describe() for c in devices.cpus],
         "problems": [
             {"device": p.device, "message": p.message, "fix": p.fix} for p in devices.problems
@@ -44,7 +65,11 @@ def render(devices: DeviceSet, console: Console) -> None:
             t.add_column(col)
         for g in devices.gpus:
             d = g.describe()
-            counter = "yes" if d["energy_counter"] else "no (sampled power)"
+            cost = counter_read_us(g)
+            counter = "no (sampled power)"
+            if d["energy_counter"]:
+                counter = "yes" if cost is None else (
+                    f"yes (read {cost / 1e3:.1f} ms)" if cost >= 1000 else f"yes (read {cost:.0f} µs)")
             t.add_row(
                 str(d["index"]), str(d["name"]), counter, _fmt(d["power_w"], " W"),
                 _fmt(d["power_limit_w"], " W"), _fmt(d["default_power_limit_w"], " W"),
