@@ -76,3 +76,18 @@ def test_readonly_guard_refuses_every_nvml_setter_in_a_child_process(tmp_path) -
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["4", "1", "pynvml"]
+
+
+def test_real_gpu_training_overhead_runs_on_simulated_gpus(load_benchmark, monkeypatch) -> None:
+    """benchmarks/real_gpu.py's training check, on a simulated GPU and PyTorch on the CPU."""
+    pytest.importorskip("torch")
+    real_gpu = load_benchmark("real_gpu")
+    monkeypatch.setitem(__import__("sys").modules, "zeus", None)  # Zeus would open the real NVML
+    sim = Simulator.realtime("A100,nocpu")
+    sim.set_workload(Constant(0.5))
+    with fake_pynvml.installed(sim):
+        out = real_gpu.training(0, steps=2, rounds=1)
+    configs = out["configs"]
+    assert set(configs) == {"none", "joules", "joules+sync", "joules(read)"}
+    assert configs["none"]["overhead_pct"] == 0.0
+    assert all(c["median_step_ms"] > 0 and len(c["blocks_ms"]) == 1 for c in configs.values())
