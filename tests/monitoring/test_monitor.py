@@ -814,6 +814,32 @@ def test_slow_counter_is_extrapolated_at_edges_within_the_stated_uncertainty() -
     read.close()
 
 
+def test_slow_counter_whose_period_drifts_is_still_measured_within_the_uncertainty() -> None:
+    """A counter updating every 101 ms where 100 ms is assumed (a drift 300 times a real H200's):
+    the learned phase slides, observations contradict it, and it is learned again; edges
+    extrapolate only while it holds."""
+    clock = VirtualClock()
+    gpu = SimGPU(A100.with_overrides(counter_period_s=0.101), clock,
+                 workload=Periodic([(0.13, 1.0), (0.21, 0.4)]))
+    gpu.energy_counter_period_s = lambda: 0.1  # type: ignore[method-assign]
+    sim = types.SimpleNamespace(gpus=[gpu])
+    _slow_counter(sim, 0.0006)  # type: ignore[arg-type]
+    mon = EnergyMonitor(devices=DeviceSet(gpus=[gpu], cpus=[], clock=clock))
+    clock.advance(2.0)
+    rng = random.Random(1)
+    beyond = 0
+    for _ in range(300):
+        clock.advance(rng.uniform(0.0, 0.3))
+        e0 = gpu.true_energy_j()
+        mon.begin_window("w")
+        clock.advance(rng.uniform(0.05, 0.6))
+        m = mon.end_window("w")
+        beyond += abs(m.gpu[0].energy_j - (gpu.true_energy_j() - e0)) > m.gpu[0].uncertainty_j + 1e-9
+    assert beyond <= 2
+    assert mon.reads["counter_extrapolated"] > 100
+    mon.close()
+
+
 def test_slow_counter_is_read_at_edges_before_the_phase_is_known() -> None:
     sim = Simulator("A100,nocpu")
     sim.set_workload(Constant(0.6))
