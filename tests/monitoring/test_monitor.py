@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -702,45 +703,6 @@ def test_close_stops_the_sampler() -> None:
 
 
 # -- edge reads skipped when the counter phase proves them unchanged --------------------------
-def test_skipped_edge_reads_save_calls_and_give_the_same_energy() -> None:
-    sim = Simulator("A100x2,nocpu")
-    sim.set_workload(Periodic([(0.13, 1.0), (0.05, 0.2), (0.21, 0.7)]))
-    calls = {"n": 0}
-    for g in sim.gpus:
-        real = g.energy_j
-
-        def counting(real=real) -> float:
-            calls["n"] += 1
-            return real()
-
-        g.energy_j = counting  # type: ignore[method-assign]
-    skip = EnergyMonitor(devices=sim.devices())
-    read = EnergyMonitor(devices=sim.devices(), skip_reads=False)
-    sim.advance(2.0)
-    rng = random.Random(5)
-    edge_reads = {"skip": 0, "read": 0}
-    for i in range(60):
-        sim.advance(rng.uniform(0.0, 0.3))
-        before = Truth(sim)
-        for name, mon in (("skip", skip), ("read", read)):
-            n = calls["n"]
-            mon.begin_window(f"w{i}")
-            edge_reads[name] += calls["n"] - n
-        sim.advance(rng.uniform(0.15, 1.5))
-        truth = Truth(sim).since(before)
-        results = {}
-        for name, mon in (("skip", skip), ("read", read)):
-            n = calls["n"]
-            results[name] = mon.end_window(f"w{i}")
-            edge_reads[name] += calls["n"] - n
-        for g in sim.gpus:
-            a, b = results["skip"].gpu[g.index].energy_j, results["read"].gpu[g.index].energy_j
-            assert a == pytest.approx(b, rel=0.01, abs=0.5)
-            assert abs(a - truth["gpu"][g.index]) <= 2 * 0.1 * (400 - 55) + 1.0  # as when reading
-    assert edge_reads["read"] == 60 * 2 * 2  # one read per GPU per edge
-    assert edge_reads["skip"] < 0.5 * edge_reads["read"]
-
-
 def _slow_counter(sim: Simulator, seconds: float) -> dict[str, int]:
     """Make every energy-counter read of ``sim``'s GPUs cost ``seconds`` of wall-clock time."""
     calls = {"n": 0}
@@ -756,6 +718,46 @@ def _slow_counter(sim: Simulator, seconds: float) -> dict[str, int]:
 
         g.energy_j = slow  # type: ignore[method-assign]
     return calls
+
+
+def _paired_windows(sim: Simulator, monitors: dict[str, EnergyMonitor], calls: dict[str, int],
+                    edge_reads: dict[str, int], n: int, seed: int, length: Callable[[random.Random], float]):
+    """``n`` windows at random offsets, measured by every monitor at once; counts each monitor's
+    edge reads. Yields ``(ground truth, {monitor name: measurement})`` per window."""
+    rng = random.Random(seed)
+    for i in range(n):
+        sim.advance(rng.uniform(0.0, 0.3))
+        before = Truth(sim)
+        for name, mon in monitors.items():
+            k = calls["n"]
+            mon.begin_window(f"w{i}")
+            edge_reads[name] += calls["n"] - k
+        sim.advance(length(rng))
+        truth = Truth(sim).since(before)
+        results = {}
+        for name, mon in monitors.items():
+            k = calls["n"]
+            results[name] = mon.end_window(f"w{i}")
+            edge_reads[name] += calls["n"] - k
+        yield truth, results
+
+
+def test_skipped_edge_reads_save_calls_and_give_the_same_energy() -> None:
+    sim = Simulator("A100x2,nocpu")
+    sim.set_workload(Periodic([(0.13, 1.0), (0.05, 0.2), (0.21, 0.7)]))
+    calls = _slow_counter(sim, 0.0)  # counts the reads
+    monitors = {"skip": EnergyMonitor(devices=sim.devices()),
+                "read": EnergyMonitor(devices=sim.devices(), skip_reads=False)}
+    sim.advance(2.0)
+    edge_reads = {"skip": 0, "read": 0}
+    for truth, results in _paired_windows(sim, monitors, calls, edge_reads, 60, 5,
+                                          lambda rng: rng.uniform(0.15, 1.5)):
+        for g in sim.gpus:
+            a, b = results["skip"].gpu[g.index].energy_j, results["read"].gpu[g.index].energy_j
+            assert a == pytest.approx(b, rel=0.01, abs=0.5)
+            assert abs(a - truth["gpu"][g.index]) <= 2 * 0.1 * (400 - 55) + 1.0  # as when reading
+    assert edge_reads["read"] == 60 * 2 * 2  # one read per GPU per edge
+    assert edge_reads["skip"] < 0.5 * edge_reads["read"]
 
 
 def test_sampler_reads_the_counter_about_twice_per_update() -> None:
@@ -780,23 +782,15 @@ def test_slow_counter_is_extrapolated_at_edges_within_the_stated_uncertainty() -
     read = EnergyMonitor(devices=sim.devices(), max_edge_read_s=None)
     sim.advance(2.0)
     assert slow.sampler.counter_read_cost_s(0) >= 0.001
-    rng = random.Random(4)
     edge_reads = {"slow": 0, "read": 0}
     errors: dict[str, list[float]] = {"slow": [], "read": []}
     beyond = {"slow": 0, "read": 0}  # errors larger than the stated uncertainty
-    for i in range(80):
-        sim.advance(rng.uniform(0.0, 0.3))
-        before = Truth(sim)
-        for name, mon in (("slow", slow), ("read", read)):
-            n = calls["n"]
-            mon.begin_window(f"w{i}")
-            edge_reads[name] += calls["n"] - n
-        sim.advance(rng.choice([rng.uniform(0.005, 0.09), rng.uniform(0.1, 1.5)]))
-        truth = Truth(sim).since(before)
-        for name, mon in (("slow", slow), ("read", read)):
-            n = calls["n"]
-            m = mon.end_window(f"w{i}")
-            edge_reads[name] += calls["n"] - n
+    monitors = {"slow": slow, "read": read}
+    for truth, results in _paired_windows(
+        sim, monitors, calls, edge_reads, 80, 4,
+        lambda rng: rng.choice([rng.uniform(0.005, 0.09), rng.uniform(0.1, 1.5)]),
+    ):
+        for name, m in results.items():
             for g in sim.gpus:
                 d = m.gpu[g.index]
                 err = abs(d.energy_j - truth["gpu"][g.index])
@@ -822,19 +816,15 @@ def test_slow_counter_whose_period_drifts_is_still_measured_within_the_uncertain
     gpu = SimGPU(A100.with_overrides(counter_period_s=0.101), clock,
                  workload=Periodic([(0.13, 1.0), (0.21, 0.4)]))
     gpu.energy_counter_period_s = lambda: 0.1  # type: ignore[method-assign]
-    sim = types.SimpleNamespace(gpus=[gpu])
-    _slow_counter(sim, 0.0006)  # type: ignore[arg-type]
+    sim = types.SimpleNamespace(gpus=[gpu], cpus=[], advance=clock.advance)
+    calls = _slow_counter(sim, 0.0006)  # type: ignore[arg-type]
     mon = EnergyMonitor(devices=DeviceSet(gpus=[gpu], cpus=[], clock=clock))
     clock.advance(2.0)
-    rng = random.Random(1)
     beyond = 0
-    for _ in range(300):
-        clock.advance(rng.uniform(0.0, 0.3))
-        e0 = gpu.true_energy_j()
-        mon.begin_window("w")
-        clock.advance(rng.uniform(0.05, 0.6))
-        m = mon.end_window("w")
-        beyond += abs(m.gpu[0].energy_j - (gpu.true_energy_j() - e0)) > m.gpu[0].uncertainty_j + 1e-9
+    for truth, results in _paired_windows(sim, {"m": mon}, calls, {"m": 0}, 300, 1,  # type: ignore[arg-type]
+                                          lambda rng: rng.uniform(0.05, 0.6)):
+        d = results["m"].gpu[0]
+        beyond += abs(d.energy_j - truth["gpu"][0]) > d.uncertainty_j + 1e-9
     assert beyond <= 2
     assert mon.reads["counter_extrapolated"] > 100
     mon.close()
