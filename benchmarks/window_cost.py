@@ -19,18 +19,26 @@ fake's per-call latency (a busy wait in every NVML call) is 0 (pure Python cost)
 package (package + DRAM zones) read from the same fake powercap tree by both tools
 (``joules.devices.rapl.discover_rapl`` and Zeus' ``RAPLCPUs`` with ``RAPL_DIR`` pointed at it).
 
-Run: ``.bench-venv/bin/python benchmarks/window_cost.py [--quick]``
+"H200" rows: one simulated H200, whose energy-counter read blocks 3 ms as on the real board
+(``GPUModel.counter_read_s``; ``docs/hardware.md``), windows spread over time (a random pause
+of up to 10 ms after each, so that edges fall at every phase of the counter's updates; means
+per round instead of medians, since a slow read hits only some windows), joules
+as it is and with ``max_edge_read_s=None`` (reading the counter at every edge that needs it).
+
+Run: ``.bench-venv/bin/python benchmarks/window_cost.py [--quick] [--h200-only]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import _harness as H
@@ -44,8 +52,22 @@ from joules.testing.fake_sysfs import FakePowercap
 warnings.filterwarnings("ignore", message="The energy consumption of one or more GPUs")
 
 
-def _sim(n_gpus: int, cpu: bool) -> Simulator:
-    return Simulator.realtime(f"A100x{n_gpus}" + ("" if cpu else ",nocpu"))
+def _sim(n_gpus: int, cpu: bool, model: str = "A100") -> Simulator:
+    return Simulator.realtime(f"{model}x{n_gpus}" + ("" if cpu else ",nocpu"))
+
+
+def spread_windows(begin: Callable[[str], object], end: Callable[[str], object], n: int) -> list[float]:
+    """Seconds in ``begin`` + ``end`` for ``n`` windows, each followed by a random pause of up
+    to 10 ms, so that edges fall at every phase of the counters' updates."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        begin("w")
+        end("w")
+        out.append(time.perf_counter() - t0)
+        time.sleep(rng.uniform(0.0, 0.01))
+    return out
 
 
 def calls_per_window(fake: object, begin: object, end: object, n: int = 50) -> float:
@@ -72,8 +94,10 @@ def _install(sim: Simulator, latency: float) -> object:
     return fake
 
 
-def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) -> tuple[list[float], float]:
-    sim = _sim(n_gpus, cpu)
+def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path, model: str = "A100",
+               spread: bool = False, edge_reads: bool = False) -> tuple[list[float], float]:
+    """``edge_reads``: read a slow counter at edges anyway (``max_edge_read_s=None``)."""
+    sim = _sim(n_gpus, cpu, model)
     _install(sim, latency)
     gpus = H.joules_nvml_gpus()
     assert len(gpus) == n_gpus, gpus
@@ -82,29 +106,32 @@ def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) 
         tree = FakePowercap.for_sim(tmp / f"j{time.monotonic_ns()}", sim.cpus)
         cpus, _ = discover_rapl(tree.root, cpuinfo=tree.cpuinfo_path)
         assert len(cpus) == 1
-    mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=cpus, clock=RealClock()))
+    mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=cpus, clock=RealClock()),
+                        max_edge_read_s=None if edge_reads else 0.0005)
+    timed = spread_windows if spread else H.timed_windows
     try:
         # Steady state: the sampler learns the counters' update phase in its first 1-2 s.
         time.sleep(JOULES_WARMUP_S)
         H.timed_windows(mon.begin_window, mon.end_window, 200)  # warm-up
-        reads0 = sum(mon.reads.values()) - mon.reads["counter_skipped"]
-        times = H.timed_windows(mon.begin_window, mon.end_window, windows)
+        reads0 = mon.reads["counter"] + mon.reads["power"]
+        times = timed(mon.begin_window, mon.end_window, windows)
         # NVML calls made by the windows themselves (the monitor counts its edge reads;
-        # the sampler's polling, ~35 calls/s per GPU, is not included).
-        reads = sum(mon.reads.values()) - mon.reads["counter_skipped"] - reads0
+        # the sampler's polling is not included).
+        reads = mon.reads["counter"] + mon.reads["power"] - reads0
         return times, reads / windows
     finally:
         mon.close()
 
 
-def run_zeus(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) -> tuple[list[float], float]:
-    sim = _sim(n_gpus, cpu)
+def run_zeus(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path, model: str = "A100",
+             spread: bool = False, edge_reads: bool = False) -> tuple[list[float], float]:
+    sim = _sim(n_gpus, cpu, model)
     fake = _install(sim, latency)  # Zeus' RAPL CPUs: opened once in main()
     from zeus.monitor import ZeusMonitor
 
     mon = ZeusMonitor(cpu_indices=None if cpu else [])
     assert len(mon.gpu_indices) == n_gpus and len(mon.cpu_indices) == (1 if cpu else 0)
-    assert mon.power_monitor is None  # A100: energy counter, no polling process
+    assert mon.power_monitor is None  # A100, H200: energy counter, no polling process
 
     def begin(k: str) -> None:
         mon.begin_window(k, sync_execution=False)
@@ -112,9 +139,9 @@ def run_zeus(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path) ->
     def end(k: str) -> object:
         return mon.end_window(k, sync_execution=False)
 
-    H.timed_windows(begin, end, 200)  # warm-up
-    times = H.timed_windows(begin, end, windows)
-    return times, calls_per_window(fake, begin, end)
+    H.timed_windows(begin, end, 20 if spread else 200)  # warm-up
+    times = (spread_windows if spread else H.timed_windows)(begin, end, windows)
+    return times, calls_per_window(fake, begin, end, 10 if spread else 50)
 
 
 def fake_call_us(latency: float) -> float:
@@ -137,6 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--h200-only", action="store_true", help="only the rows of the simulated H200")
     args = ap.parse_args()
 
     rounds, windows = (3, 300) if args.quick else (9, 400)
@@ -155,10 +183,19 @@ def main() -> None:
         zcpus = zcpu.get_cpus()
         zcpus.get_total_energy_consumption(0)
         H.wait_children_idle()
-        configs = [(lat, cpu, n) for lat in (0.0, 20e-6) for cpu in (False, True) for n in (1, 4, 8)]
-        configs += [(STUB, False, n) for n in (1, 4, 8)]
-        for latency, cpu, n in configs:
+        configs = [(lat, cpu, n, "A100", False) for lat in (0.0, 20e-6) for cpu in (False, True)
+                   for n in (1, 4, 8)]
+        configs += [(STUB, False, n, "A100", False) for n in (1, 4, 8)]
+        # The measured H200: a counter read blocks 3 ms. Windows spread over time; joules as
+        # it is, and reading the counter at edges anyway.
+        configs += [(0.0, False, 1, "H200", False), (0.0, False, 1, "H200", True)]
+        if args.h200_only:
+            configs = configs[-2:]
+        for latency, cpu, n, model, edge_reads in configs:
+            spread = model == "H200"
             w = windows if latency <= 0 else max(150, windows // n)
+            if spread:
+                w = min(w, 150)
             jr: list[float] = []  # per-round medians
             zr: list[float] = []
             ratios: list[float] = []
@@ -168,23 +205,29 @@ def main() -> None:
                 got = {}
                 for tool in order:
                     run = run_joules if tool == "j" else run_zeus
-                    got[tool] = run(n, latency, cpu, w, tmp)
+                    got[tool] = run(n, latency, cpu, w, tmp, model, spread, edge_reads)
                 jt, jcalls = got["j"]
                 zt, zcalls = got["z"]
-                jr.append(H.median_us(jt))
-                zr.append(H.median_us(zt))
+                # Spread windows: the mean, since a slow read hits only some of them.
+                stat = (lambda xs: statistics.fmean(xs) * 1e6) if spread else H.median_us
+                jr.append(stat(jt))
+                zr.append(stat(zt))
                 ratios.append(jr[-1] / zr[-1])
             jm, zm, ratio = statistics.median(jr), statistics.median(zr), statistics.median(ratios)
             res = {
                 "gpus": n, "cpu_pkg": cpu, "latency_us": None if latency == STUB else latency * 1e6,
+                "model": model, "spread": spread, "joules_edge_reads": edge_reads,
                 "joules_median_us": jm, "zeus_median_us": zm, "ratio_median": ratio,
                 "joules_round_medians_us": jr, "zeus_round_medians_us": zr,
                 "windows_per_round": w, "rounds": rounds,
                 "joules_nvml_calls": jcalls, "zeus_nvml_calls": zcalls,
             }
             results.append(res)
+            label = f"{n}x {model}" + (" +1 CPU pkg" if cpu else " GPU only")
+            if model == "H200":
+                label += ", spread" + (", j reads edges" if edge_reads else "")
             rows.append([
-                f"{n}x A100" + (" +1 CPU pkg" if cpu else " GPU only"),
+                label,
                 "stub" if latency == STUB else f"{latency * 1e6:.0f}",
                 f"{jm:.1f}", f"{zm:.1f}", f"{ratio:.2f}",
                 f"{min(jr):.1f}-{max(jr):.1f}", f"{min(zr):.1f}-{max(zr):.1f}", f"{jcalls:g} / {zcalls:g}",
@@ -208,6 +251,10 @@ def main() -> None:
             f"{call0:.1f} µs at latency 0 (simulator work) and {call20:.1f} µs at 20 µs;\n"
             "'stub' rows replace the energy read by a near-free stub (a counter stepping every 100 ms),\n"
             "leaving each tool's own overhead.\n"
+            "H200 rows: every counter read blocks 3 ms (as measured on a real H200); windows spread\n"
+            "over time (a random pause of up to 10 ms after each), mean instead of median (a slow read\n"
+            "hits only some windows); 'j reads edges': joules with max_edge_read_s=None (reading the\n"
+            "counter at every edge that needs it).\n"
             f"NVML calls j/Z = NVML calls per window (joules: edge reads after a {JOULES_WARMUP_S:g} s "
             "warm-up,\nits sampler's polling excluded / Zeus).\n"
             f"joules, Zeus = median over {rounds} rounds of each round's median (range: lowest-highest "

@@ -808,6 +808,40 @@ def test_slow_counter_is_extrapolated_at_edges_within_the_stated_uncertainty() -
     read.close()
 
 
+def test_simulated_h200_counter_read_blocks_3_ms_and_windows_do_not_wait_for_it() -> None:
+    """The simulated H200 reads its counter as slowly as the real one (real clock only)."""
+    sim = Simulator.realtime("H200,nocpu")
+    sim.set_workload(Constant(0.6))
+    gpu = sim.gpus[0]
+    t0 = time.perf_counter()
+    gpu.energy_j()
+    assert time.perf_counter() - t0 >= 0.003
+    mon = EnergyMonitor(devices=sim.devices())
+    try:
+        deadline = time.monotonic() + 5.0
+        while not mon._trackers[0].locked and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mon.sampler.counter_read_cost_s(0) >= 0.003
+        reads0 = mon.reads["counter"]
+        costs = []
+        for i in range(40):
+            time.sleep(0.011)  # edges at every phase of the 100 ms updates
+            t0 = time.perf_counter()
+            mon.begin_window(f"w{i}")
+            mon.end_window(f"w{i}")
+            costs.append(time.perf_counter() - t0)
+        assert mon.reads["counter"] == reads0  # no edge waited for a 3 ms read
+        assert mon.reads["counter_extrapolated"] > 0
+        assert sorted(costs)[-5] < 0.003
+    finally:
+        mon.close()
+    virtual = Simulator("H200,nocpu")  # a virtual clock's reads cost no real time
+    t0 = time.perf_counter()
+    for _ in range(100):
+        virtual.gpus[0].energy_j()
+    assert time.perf_counter() - t0 < 0.1
+
+
 def test_slow_counter_whose_period_drifts_is_still_measured_within_the_uncertainty() -> None:
     """A counter updating every 101 ms where 100 ms is assumed (a drift 300 times a real H200's):
     the learned phase slides, observations contradict it, and it is learned again; edges

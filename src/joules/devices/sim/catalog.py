@@ -40,6 +40,10 @@ class GPUModel:
         voltage_floor: Clock fraction below which the voltage stops scaling down: dynamic
             power goes as ``f**3`` above it and only as ``f`` below, so very low limits slow
             the GPU down more than they save power, as on real GPUs.
+        counter_read_s: Wall-clock time one energy-counter read blocks its caller on the real
+            clock (the simulated GPU sleeps that long; a virtual clock's reads are instant).
+            3 ms on the H200, as measured there with driver 580 (``docs/hardware.md``); 0 on the
+            others, whose call cost the fake NVML's ``call_latency_s`` models.
 
     """
 
@@ -62,6 +66,7 @@ class GPUModel:
     instant_power_field: bool
     peak_w: float
     voltage_floor: float = 0.8
+    counter_read_s: float = 0.0
 
     def with_overrides(self, **kwargs: object) -> GPUModel:
         """A copy with some fields changed."""
@@ -140,7 +145,7 @@ GPU_MODELS: dict[str, GPUModel] = {
         min_limit_w=200.0, max_limit_w=700.0, default_limit_w=700.0,
         min_sm_mhz=345.0, max_sm_mhz=1980.0, sm_step_mhz=15.0, mem_mhz=3201.0, memory_gib=141,
         energy_counter=True, counter_period_s=0.1, power_period_s=0.1, sample_fraction=0.25,
-        averaged_power_s=1.0, instant_power_field=True, peak_w=695.0,
+        averaged_power_s=1.0, instant_power_field=True, peak_w=695.0, counter_read_s=0.003,
     ),
 }
 

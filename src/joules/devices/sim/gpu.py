@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from joules.clock import Clock
+from joules.clock import Clock, RealClock
 from joules.devices.base import GPU, Problem, fork_safe_lock
 from joules.devices.sim.catalog import GPUModel
 from joules.devices.sim.workload import Constant, Workload
@@ -242,6 +243,8 @@ class SimGPU(GPU):
     def energy_j(self) -> float:
         if not self.model.energy_counter:
             raise NotSupportedError(f"GPU {self.index} ({self.name}) has no energy counter")
+        if self.model.counter_read_s and isinstance(self.clock, RealClock):
+            time.sleep(self.model.counter_read_s)  # blocked in the driver, as on an H200
         with self._lock:
             t = self._last_tick(self.model.counter_period_s, self._phase)
             latched = self._latched.get("energy")
