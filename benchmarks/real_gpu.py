@@ -222,11 +222,11 @@ def make_training(gpu: int, batch: int = 16) -> Any:
     return step
 
 
-def training(gpu: int, steps: int, rounds: int) -> dict[str, Any]:
+def training(gpu: int, steps: int, rounds: int, batch: int = 16) -> dict[str, Any]:
     """Time per step with no measurement, joules windows and Zeus windows (no sync / sync)."""
     from joules import EnergyMonitor
 
-    step = make_training(gpu)
+    step = make_training(gpu, batch)
     for _ in range(30):
         step()
     zeus = zeus_monitor(gpu)
@@ -268,7 +268,7 @@ def training(gpu: int, steps: int, rounds: int) -> dict[str, Any]:
             times[k].append(block(k))
     base = statistics.median(times["none"])
     return {
-        "steps_per_block": steps, "rounds": rounds,
+        "steps_per_block": steps, "rounds": rounds, "batch": batch,
         "configs": {k: {"median_step_ms": 1e3 * statistics.median(v),
                         "overhead_pct": 100 * (statistics.median(v) / base - 1),
                         "overhead_us": 1e6 * (statistics.median(v) - base),
@@ -317,6 +317,9 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=30, help="windows per length and load state")
     ap.add_argument("--steps", type=int, default=50, help="training steps per timed block")
     ap.add_argument("--rounds", type=int, default=6, help="timed blocks per configuration")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="training batch (sequences of 256 tokens): 16 makes a host-bound step of about "
+                         "12 ms on an H200, larger ones GPU-bound steps")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     ap.add_argument("--sim", metavar="SPEC",
                     help="simulated GPUs behind a fake NVML and PyTorch on the CPU, no Zeus (to try it out)")
@@ -371,7 +374,7 @@ def main() -> int:
                         line += f"{z['zero_readings']:4d} | " if tool == "zeus" else ""
                 print(line, flush=True)
     if "training" in only:
-        results["training"] = tr = training(args.gpu, args.steps, args.rounds)
+        results["training"] = tr = training(args.gpu, args.steps, args.rounds, args.batch)
         print(f"\nTraining-step overhead ({tr['steps_per_block']} steps x {tr['rounds']} blocks each):")
         for k, v in tr["configs"].items():
             print(f"  {k:12s} {v['median_step_ms']:8.3f} ms/step  {v['overhead_pct']:+6.2f} %  "
