@@ -1,8 +1,9 @@
 """Background power sampler: one thread for all devices, bounded memory, O(1) window queries.
 
-The sampler polls each GPU's power reading (and, where there is one, its energy counter)
-every ``interval_s`` seconds, and each CPU package's counters often enough that no RAPL
-wraparound is missed. For every GPU it keeps
+The sampler polls each GPU's power reading every ``interval_s`` seconds, its energy counter
+(where there is one) at the same ticks until the counter's update phase is learned and then
+only at the ticks just before and just after each update, and each CPU package's counters
+often enough that no RAPL wraparound is missed. For every GPU it keeps
 
 * a running energy integral of the power readings, so the energy between any two instants
   is the difference of two O(1) lookups however long the sampler has run;
