@@ -1,6 +1,6 @@
 """joules and Zeus side by side on a real NVIDIA GPU. Read only: nothing is changed on the GPU.
 
-Three checks, each on GPU 0 of the machine (``--gpu`` picks another):
+Four checks, each on GPU 0 of the machine (``--gpu`` picks another):
 
 * **Short windows** (``accuracy``): windows of 10, 30, 100 and 300 ms at random phases, with
   the GPU idle and then under a steady load (back-to-back bf16 matrix products). joules and
@@ -23,6 +23,8 @@ Three checks, each on GPU 0 of the machine (``--gpu`` picks another):
   the same training loop until its search is done. It sets nothing (it runs every candidate
   at the current limit), so its "choice" only reflects noise; the check is that the whole
   schedule runs on a real GPU and what it costs per step.
+* **Lightning** (``lightning``): a ``Trainer`` with ``PowerLimitCallback`` around a dry-run
+  optimizer (three candidate limits) on a small MLP, to check the integration on the GPU.
 
 To make sure nothing is changed, run it with ``benchmarks/_readonly`` first on
 ``PYTHONPATH``: its ``sitecustomize.py`` makes every NVML call that changes a setting raise.
@@ -43,7 +45,7 @@ import time
 import warnings
 from typing import Any
 
-CHECKS = ("accuracy", "training", "dry-run")
+CHECKS = ("accuracy", "training", "dry-run", "lightning")
 
 
 # -- the GPU's own counter, read at its update instants ------------------------------------------
@@ -309,6 +311,65 @@ def dry_run(gpu: int, max_steps: int) -> dict[str, Any]:
             "limit_after_w": mon.devices.gpus[0].power_limit_w()}
 
 
+def lightning_dry_run(gpu: int, epochs: int = 3) -> dict[str, Any]:
+    """A Lightning ``Trainer`` with ``PowerLimitCallback`` around a dry-run optimizer.
+
+    A small MLP on random data, three candidate limits (the highest and 100 W, 200 W below
+    it), 5 warm-up and 20 profiled steps each: the search ends within the first epochs.
+    """
+    import torch
+
+    try:
+        import lightning as pl
+    except ImportError:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+
+    from joules import EnergyMonitor
+    from joules.integrations.lightning import PowerLimitCallback
+    from joules.optimizers.power_limit import PowerLimitOptimizer
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            width = 2048 if torch.cuda.is_available() else 64
+            self.net = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(),
+                                           torch.nn.Linear(2 * width, width))
+
+        def training_step(self, batch: Any, _i: int) -> Any:
+            (x,) = batch
+            return ((self.net(x) - x) ** 2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    model = MLP()
+    width = model.net[0].in_features
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4096, width)),
+                                         batch_size=64)
+    mon = EnergyMonitor(gpu_indices=[gpu], cpu_indices=[])
+    g = mon.devices.gpus[0]
+    top = g.power_limit_range_w()[1]
+    before = g.power_limit_w()
+    opt = PowerLimitOptimizer(mon, dry_run=True, warmup_steps=5, profile_steps=20,
+                              limits_w=[top, top - 100, top - 200])
+    cuda = torch.cuda.is_available()
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[PowerLimitCallback(opt)],
+                         accelerator="gpu" if cuda else "cpu", devices=[gpu] if cuda else 1,
+                         enable_progress_bar=False, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False)
+    t0 = time.perf_counter()
+    try:
+        with mon.window("fit") as w:
+            trainer.fit(model, loader)
+    finally:
+        mon.close()
+    m = w.measurement
+    assert m is not None
+    return {"lightning": pl.__version__, "elapsed_s": time.perf_counter() - t0,
+            "energy_j": m.gpu[gpu].energy_j, "source": m.gpu[gpu].source.value,
+            "report": opt.report(), "limit_before_w": before, "limit_after_w": g.power_limit_w()}
+
+
 def main() -> int:
     """Run the checks and print the results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -385,6 +446,13 @@ def main() -> int:
         print(f"\nPower-limit optimizer, dry run: {dr['steps']} steps in {dr['elapsed_s']:.1f} s; "
               f"limit before {dr['limit_before_w']:.0f} W, after {dr['limit_after_w']:.0f} W")
         print("  report:", json.dumps(rep, default=str)[:1500], flush=True)
+    if "lightning" in only:
+        results["lightning"] = lt = lightning_dry_run(args.gpu)
+        rep = lt["report"]
+        print(f"\nLightning {lt['lightning']}, PowerLimitCallback (dry run): fit {lt['elapsed_s']:.1f} s, "
+              f"{lt['energy_j']:.1f} J ({lt['source']}); search {rep['state']}, "
+              f"{len(rep['points'])} limits profiled; limit before {lt['limit_before_w']:.0f} W, "
+              f"after {lt['limit_after_w']:.0f} W", flush=True)
     results.pop("_fake", None)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from joules.devices.discovery import discover
 from joules.devices.nvidia import discover_nvml
 from joules.devices.sim import Constant, Simulator
 from joules.testing import fake_pynvml
@@ -78,6 +82,18 @@ def test_readonly_guard_refuses_every_nvml_setter_in_a_child_process(tmp_path) -
     assert out == ["4", "1", "pynvml"]
 
 
+@contextlib.contextmanager
+def fake_gpus(sim: Simulator) -> Iterator[None]:
+    """A fake NVML over ``sim`` that the script's own monitors discover (discovery is cached per
+    process: refreshed inside, and again once the fake is gone)."""
+    try:
+        with fake_pynvml.installed(sim):
+            discover(refresh=True)
+            yield
+    finally:
+        discover(refresh=True)
+
+
 def test_real_gpu_training_overhead_runs_on_simulated_gpus(load_benchmark, monkeypatch) -> None:
     """benchmarks/real_gpu.py's training check, on a simulated GPU and PyTorch on the CPU."""
     pytest.importorskip("torch")
@@ -85,9 +101,24 @@ def test_real_gpu_training_overhead_runs_on_simulated_gpus(load_benchmark, monke
     monkeypatch.setitem(__import__("sys").modules, "zeus", None)  # Zeus would open the real NVML
     sim = Simulator.realtime("A100,nocpu")
     sim.set_workload(Constant(0.5))
-    with fake_pynvml.installed(sim):
+    with fake_gpus(sim):
         out = real_gpu.training(0, steps=2, rounds=1)
     configs = out["configs"]
     assert set(configs) == {"none", "joules", "joules+sync", "joules(read)"}
     assert configs["none"]["overhead_pct"] == 0.0
     assert all(c["median_step_ms"] > 0 and len(c["blocks_ms"]) == 1 for c in configs.values())
+
+
+def test_real_gpu_lightning_check_runs_on_a_simulated_gpu(load_benchmark) -> None:
+    """benchmarks/real_gpu.py's Lightning check: the dry-run search ends, no limit changes."""
+    pytest.importorskip("torch")
+    if not any(importlib.util.find_spec(m) for m in ("lightning", "pytorch_lightning")):
+        pytest.skip("Lightning is not installed")
+    real_gpu = load_benchmark("real_gpu")
+    sim = Simulator.realtime("H100,nocpu")
+    sim.set_workload(Constant(0.8))
+    with fake_gpus(sim):
+        out = real_gpu.lightning_dry_run(0, epochs=2)
+    assert out["report"]["state"] == "done" and 2 <= len(out["report"]["points"]) <= 3  # adaptive
+    assert out["limit_before_w"] == out["limit_after_w"] == 700.0
+    assert out["energy_j"] > 0 and out["source"] == "counter"
