@@ -22,8 +22,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(autouse=True)
 def _private_state_dir(tmp_path_factory, monkeypatch):
-    """Journals and saved profiles go to a temporary directory, never the user's own."""
+    """Journals and saved profiles go to a temporary directory, never the user's own; and
+    each test starts without simulated hardware in the environment (a CLI run in-process with
+    ``--sim`` puts it there for its child processes), which is removed again after it."""
     monkeypatch.setenv("JOULES_STATE_DIR", str(tmp_path_factory.mktemp("joules-state")))
+    monkeypatch.delenv("JOULES_SIM", raising=False)
+    monkeypatch.delenv("JOULES_SIM_STATE", raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,6 @@ def joules(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([JOULES, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(autouse=True)
-def _no_sim_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("JOULES_SIM", raising=False)
-
-
 def test_info_json_lists_simulated_devices() -> None:
     r = joules("info", "--json", "--sim", "A100x2,EPYC7763")
     assert r.returncode == 0, r.stderr
