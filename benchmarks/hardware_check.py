@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import sys
 import threading
@@ -38,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from _timing import spread_windows
 from joules.clock import RealClock
 from joules.devices.base import GPU, DeviceSet
 from joules.monitoring.monitor import EnergyMonitor
@@ -186,21 +186,13 @@ def check_gpu(gpu: GPU, clock: RealClock, quick: bool, simulated: bool = False,
         windows = 200 if quick else 2000
         # Windows spread over time (a random pause of up to 2 ms after each), so that their
         # edges fall at every phase of the counter's updates, as in a training loop.
-        costs = []
-        rng = random.Random(0)
-        for _ in range(windows):
-            t0 = time.perf_counter()
-            monitor.begin_window("w")
-            monitor.end_window("w")
-            costs.append(time.perf_counter() - t0)
-            time.sleep(rng.uniform(0.0, 0.002))
-        costs.sort()
+        costs = sorted(spread_windows(monitor.begin_window, monitor.end_window, windows, 0.002))
         out["window_us"] = statistics.median(costs) * 1e6
         out["window_mean_us"] = statistics.fmean(costs) * 1e6
         out["window_p99_us"] = costs[int(0.99 * len(costs))] * 1e6
         out["edge_reads_per_window"] = {k: (monitor.reads[k] - reads0[k]) / windows for k in reads0}
-        out["counter_read_cost_us"] = (None if monitor.sampler.counter_read_cost_s(gpu.index) is None
-                                       else monitor.sampler.counter_read_cost_s(gpu.index) * 1e6)
+        read_cost = monitor.sampler.counter_read_cost_s(gpu.index)
+        out["counter_read_cost_us"] = None if read_cost is None else read_cost * 1e6
         load_ctx = contextlib.nullcontext("simulated bursts") if simulated else cuda_load(gpu.index)
         with load_ctx as load:
             out["load"] = load

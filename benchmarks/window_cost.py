@@ -32,16 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import _harness as H
+from _timing import spread_windows
 from joules.clock import RealClock
 from joules.devices.base import DeviceSet
 from joules.devices.rapl import discover_rapl
@@ -56,20 +56,6 @@ def _sim(n_gpus: int, cpu: bool, model: str = "A100") -> Simulator:
     return Simulator.realtime(f"{model}x{n_gpus}" + ("" if cpu else ",nocpu"))
 
 
-def spread_windows(begin: Callable[[str], object], end: Callable[[str], object], n: int) -> list[float]:
-    """Seconds in ``begin`` + ``end`` for ``n`` windows, each followed by a random pause of up
-    to 10 ms, so that edges fall at every phase of the counters' updates."""
-    rng = random.Random(0)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        begin("w")
-        end("w")
-        out.append(time.perf_counter() - t0)
-        time.sleep(rng.uniform(0.0, 0.01))
-    return out
-
-
 def calls_per_window(fake: object, begin: object, end: object, n: int = 50) -> float:
     before = sum(fake.fake_calls.values())
     H.timed_windows(begin, end, n)
@@ -77,6 +63,7 @@ def calls_per_window(fake: object, begin: object, end: object, n: int = 50) -> f
 
 
 JOULES_WARMUP_S = 2.0
+SPREAD_PAUSE_S = 0.01  # H200 rows: a random pause of up to 10 ms after each window
 STUB = -1.0  # "latency" meaning: energy reads replaced by a near-free stub (tool overhead only)
 
 
@@ -107,8 +94,8 @@ def run_joules(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path, 
         cpus, _ = discover_rapl(tree.root, cpuinfo=tree.cpuinfo_path)
         assert len(cpus) == 1
     mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=cpus, clock=RealClock()),
-                        max_edge_read_s=None if edge_reads else 0.0005)
-    timed = spread_windows if spread else H.timed_windows
+                        **({"max_edge_read_s": None} if edge_reads else {}))
+    timed = partial(spread_windows, max_pause_s=SPREAD_PAUSE_S) if spread else H.timed_windows
     try:
         # Steady state: the sampler learns the counters' update phase in its first 1-2 s.
         time.sleep(JOULES_WARMUP_S)
@@ -140,7 +127,8 @@ def run_zeus(n_gpus: int, latency: float, cpu: bool, windows: int, tmp: Path, mo
         return mon.end_window(k, sync_execution=False)
 
     H.timed_windows(begin, end, 20 if spread else 200)  # warm-up
-    times = (spread_windows if spread else H.timed_windows)(begin, end, windows)
+    times = (spread_windows(begin, end, windows, SPREAD_PAUSE_S) if spread
+             else H.timed_windows(begin, end, windows))
     return times, calls_per_window(fake, begin, end, 10 if spread else 50)
 
 

@@ -9,15 +9,13 @@ reaches the driver. Reads are untouched.
 
 from __future__ import annotations
 
-import os
-
 _SETTERS = (
     "nvmlDeviceSetPowerManagementLimit", "nvmlDeviceSetPowerManagementLimit_v2",
     "nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks",
     "nvmlDeviceSetMemoryLockedClocks", "nvmlDeviceResetMemoryLockedClocks",
     "nvmlDeviceSetApplicationsClocks", "nvmlDeviceResetApplicationsClocks",
     "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetComputeMode", "nvmlDeviceSetGpuOperationMode",
-    "nvmlDeviceSetClockOffsets", "nvmlDeviceSetPowerManagementLimit_v2",
+    "nvmlDeviceSetClockOffsets",
     "nvmlDeviceSetAutoBoostedClocksEnabled", "nvmlDeviceSetDefaultAutoBoostedClocksEnabled",
 )
 
@@ -37,4 +35,3 @@ if pynvml is not None:
     for _name in _SETTERS:
         if hasattr(pynvml, _name):
             setattr(pynvml, _name, _refuse(_name))
-    os.environ["JOULES_READONLY_NVML"] = "1"

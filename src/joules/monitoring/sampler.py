@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -277,7 +277,7 @@ class _GPUTrack:
     sensor: CounterTracker | None = None  # update phase of the power reading
     # Wall-clock seconds of the latest energy-counter reads (what a read costs the caller),
     # and their median.
-    read_costs: deque[float] | None = None
+    read_costs: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     read_cost: float | None = None
 
 
@@ -370,7 +370,8 @@ class PowerSampler:
                     t_before = self.clock.now()
                     w0 = time.perf_counter()
                     value = track.gpu.energy_j()
-                    self._read_cost(track, time.perf_counter() - w0)
+                    track.read_costs.append(time.perf_counter() - w0)
+                    track.read_cost = statistics.median(track.read_costs)
                     track.tracker.observe(self.clock.now(), value, t_before)
                 t_before = self.clock.now()
                 p = track.gpu.power_w()
@@ -390,13 +391,6 @@ class PowerSampler:
                         cpu.dram_energy_j()
                 except Exception:  # noqa: BLE001
                     self.errors += 1
-
-    @staticmethod
-    def _read_cost(track: _GPUTrack, seconds: float) -> None:
-        if track.read_costs is None:
-            track.read_costs = deque(maxlen=15)
-        track.read_costs.append(seconds)
-        track.read_cost = statistics.median(track.read_costs)
 
     def counter_read_cost_s(self, index: int) -> float | None:
         """Median wall-clock time of the sampler's latest reads of GPU ``index``'s energy counter.
