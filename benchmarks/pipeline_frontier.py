@@ -24,10 +24,14 @@ and by how much, and the energy saved at the fastest iteration time against runn
 everything at the highest clock.
 Where joules is higher, a line says at how many distinct lowtime plans, from how far into
 lowtime's time range, and how joules' clocks differ from lowtime's at the worst point.
+With ``--bound N``, both frontiers are also compared with the relaxation's lower bound
+(:func:`joules.optimizers.pipeline.solver.energy_lower_bounds`, below every plan) at up to N
+of lowtime's points spread over its range and up to N of those where joules is higher: how
+far above the optimum each tool can at most be.
 
 Goal: joules at least 10x faster on every case, with energy no higher at any point.
 
-Run: ``python benchmarks/pipeline_frontier.py [--quick] [--case CURVE:SxM:MS ...] [--json PATH]``
+Run: ``python benchmarks/pipeline_frontier.py [--quick] [--case CURVE:SxM:MS ...] [--bound N] [--json PATH]``
 from the repository root.
 """
 
@@ -49,7 +53,7 @@ from joules.optimizers.pipeline import solver
 from joules.optimizers.pipeline.frontier import Frontier, evaluate
 from joules.optimizers.pipeline.profile import CURVES, blocking_power_w, synthetic_profile
 from joules.optimizers.pipeline.schedule import Computation, build_dag
-from joules.optimizers.pipeline.solver import solve
+from joules.optimizers.pipeline.solver import energy_lower_bounds, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / ".bench-venv" / "bin" / "python"
@@ -97,13 +101,21 @@ class Row:
     higher_plans: int  # distinct lowtime plans (time, energy) where joules is higher
     higher_from_pct: float  # earliest of them, % into lowtime's time range (fastest = 0)
     worst_changes: list[str]  # at the worst point, computations where joules' clock differs
+    # Distance to the relaxation's lower bound (--bound), % of the bound, at the points sampled:
+    bound_points: int = 0
+    joules_bound_max_pct: float = 0.0
+    joules_bound_mean_pct: float = 0.0
+    lowtime_bound_max_pct: float = 0.0
+    lowtime_bound_mean_pct: float = 0.0
+    joules_bound_max_higher_pct: float = 0.0  # where joules is higher than lowtime
+    lowtime_bound_max_higher_pct: float = 0.0
 
 
 REPEAT_UNDER_S = 10.0  # lowtime is run again (up to --repeat times) only while a run takes less
 
 
 def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, seed: int, tmp: Path,
-             repeat: int = 3) -> Row:
+             repeat: int = 3, bound: int = 0) -> Row:
     profile = synthetic_profile(stages, curve, forward_time_s=forward_ms / 1000, seed=seed)
     path = tmp / f"{curve}-{stages}x{mbs}.csv"
     profile.to_csv(path)
@@ -153,6 +165,29 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
                          for c, a, b in zip(dag.nodes, ours.frequencies, worst.frequencies, strict=True)
                          if a != b]
     top = frontier.max_frequency
+    gaps: dict[str, dict[str, list[float]]] = {}
+    if bound:
+        # Up to `bound` of lowtime's points evenly spread, and up to `bound` where joules is higher.
+        spread = set(range(0, len(plans), max(1, len(plans) // bound)))
+        worse_at = [i for i, d in enumerate(diffs) if d > tol]
+        picked = sorted(spread | set(worse_at[:: max(1, len(worse_at) // bound)]))
+        lbs = energy_lower_bounds(dag, profile, pb, [plans[i].time_s for i in picked])
+        for name, energy in (("joules", lambda i: frontier.energy_at(plans[i].time_s)),
+                             ("lowtime", lambda i: plans[i].energy_j)):
+            gaps[name] = {"all": [], "higher": []}
+            for i, lb in zip(picked, lbs, strict=True):
+                g = (energy(i) - lb) / lb * 100
+                gaps[name]["all"].append(g)
+                if diffs[i] > tol:
+                    gaps[name]["higher"].append(g)
+
+    def gap(name: str, which: str, f) -> float:
+        values = gaps.get(name, {}).get(which, [])
+        return f(values) if values else 0.0
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
     return Row(
         curve=curve, stages=stages, microbatches=mbs, unit_ms=unit * 1000,
         joules_s=joules_s, lowtime_s=lowtime_s, speedup=lowtime_s / joules_s,
@@ -171,6 +206,11 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         higher_from_pct=(100 * (min(p.time_s for p in higher) - lt_lo) / (lt_hi - lt_lo)
                          if higher and lt_hi > lt_lo else 0.0),
         worst_changes=worst_changes,
+        bound_points=len(gaps.get("joules", {}).get("all", [])),
+        joules_bound_max_pct=gap("joules", "all", max), joules_bound_mean_pct=gap("joules", "all", mean),
+        lowtime_bound_max_pct=gap("lowtime", "all", max), lowtime_bound_mean_pct=gap("lowtime", "all", mean),
+        joules_bound_max_higher_pct=gap("joules", "higher", max),
+        lowtime_bound_max_higher_pct=gap("lowtime", "higher", max),
     )
 
 
@@ -184,6 +224,9 @@ def main() -> None:
     parser.add_argument("--case", action="append", default=[], metavar="CURVE:SxM:MS",
                         help="run this case only (e.g. v100:4x8:1; repeatable)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--bound", type=int, default=0, metavar="N",
+                        help="also compare both frontiers with the relaxation's lower bound at up to N "
+                             "of lowtime's points spread over its range, and up to N where joules is higher")
     parser.add_argument("--span-parts", type=int, default=solver.SPAN_PARTS,
                         help="joules' hull chords span at most 1/N of a computation's time range "
                              "(1: only the SPAN_UNITS cap, as before it)")
@@ -192,6 +235,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.span_parts < 1 or args.plans_per_unit < 1:
         sys.exit("--span-parts and --plans-per-unit must be at least 1")
+    if args.bound < 0:
+        sys.exit("--bound must be 0 (off) or more")
     solver.SPAN_PARTS, solver.PLANS_PER_UNIT = args.span_parts, args.plans_per_unit
     cases = QUICK if args.quick else FULL
     if args.case:
@@ -213,7 +258,7 @@ def main() -> None:
         for curve, s, m, unit in cases:
             console.print(f"[dim]{curve} {s}x{m} @ {unit * 1000:g} ms ...[/dim]")
             rows.append(run_case(curve, s, m, unit, args.forward_ms, args.seed, Path(tmp),
-                                 max(1, args.repeat)))
+                                 max(1, args.repeat), args.bound))
     table = Table(title="1F1B time-energy frontier: joules vs lowtime 0.3.0")
     for col in ("GPU curve", "S x M", "unit", "lowtime s", "joules s", "speed-up", "lowtime points",
                 "joules lower / equal / higher", "max diff", "mean diff",
@@ -237,6 +282,18 @@ def main() -> None:
                      f"{r.joules_min_time_s:.3f}-{r.joules_max_time_s:.3f}",
                      f"{r.lowtime_min_time_s:.3f}-{r.lowtime_max_time_s:.3f}")
     console.print(walk)
+    if args.bound:
+        lb = Table(title="Above the relaxation's lower bound (% of the bound) at lowtime's points sampled")
+        for col in ("GPU curve", "S x M", "unit", "points", "joules max", "joules mean", "lowtime max",
+                    "lowtime mean", "where joules is higher: joules max", "lowtime max"):
+            lb.add_column(col, justify="right")
+        for r in rows:
+            higher = (f"{r.joules_bound_max_higher_pct:.3f} %", f"{r.lowtime_bound_max_higher_pct:.3f} %") \
+                if r.worse else ("-", "-")
+            lb.add_row(r.curve, f"{r.stages}x{r.microbatches}", f"{r.unit_ms:g} ms", str(r.bound_points),
+                       f"{r.joules_bound_max_pct:.3f} %", f"{r.joules_bound_mean_pct:.3f} %",
+                       f"{r.lowtime_bound_max_pct:.3f} %", f"{r.lowtime_bound_mean_pct:.3f} %", *higher)
+        console.print(lb)
     for r in rows:
         if r.worse:
             console.print(f"{r.curve} {r.stages}x{r.microbatches} @ {r.unit_ms:g} ms: joules is higher at "

@@ -479,3 +479,64 @@ def test_greedy_pass_is_the_one_move_per_round_greedy(seed: int) -> None:
                             parent=np.concatenate([np.full(len(rows), -1), np.arange(len(rows))]))
     assert (chained[: len(rows)] == out).all()
     assert (chained[len(rows):] == batch.improve(out, later)).all()
+
+
+# -- the relaxation's lower bound ----------------------------------------------------------------
+
+def test_lower_bound_has_the_known_value_of_a_two_computation_chain() -> None:
+    """One stage, one microbatch: F then B, each 1 s at 100 J or 2 s at 60 J, blocked at 10 W.
+
+    Effective energies 90 J and 40 J: the hull's slope is -50 J/s. At T = 3 s one computation
+    runs slow, the other fast (130 J effective + 10 W x 3 s blocked = 160 J, a real plan). At
+    2.5 s the bound lets them share the half second (155 + 25 = 180 J), below the best real
+    plan (both fast: 200 J computing, 0.5 s blocked, 205 J).
+    """
+    options = ((1400, 1.0, 100.0), (900, 2.0, 60.0))
+    rows = [(0, kind, f, t, e) for kind in ("forward", "backward") for f, t, e in options]
+    profile = PipelineProfile.from_rows(rows)
+    dag = build_dag("1f1b", 1, 1)
+    bounds = solver_module.energy_lower_bounds(dag, profile, 10.0, [3.0, 2.5, 2.0, 1.9, 5.0])
+    assert bounds[0] == pytest.approx(160.0)
+    assert bounds[1] == pytest.approx(155.0 + 25.0)
+    assert bounds[2] == pytest.approx(180.0 + 20.0)  # the fastest time: both fast
+    assert bounds[3] == math.inf  # faster than any plan
+    assert bounds[4] == pytest.approx(80.0 + 40.0)  # both slow: 4 s, no slower plan is cheaper
+
+
+@pytest.mark.parametrize(("schedule", "stages", "mbs", "options", "power", "seed"), CASES)
+def test_lower_bound_is_below_the_optimum_at_every_time(schedule, stages, mbs, options, power, seed) -> None:
+    dag = build_dag(schedule, stages, mbs)
+    profile = random_profile(stages, options, seed)
+    truth = brute_force(dag, profile, power)
+    keys = sorted(truth)
+    bounds = solver_module.energy_lower_bounds(dag, profile, power, [k * UNIT for k in keys])
+    for key, bound in zip(keys, bounds, strict=True):
+        assert bound <= truth[key] + 1e-6
+        assert bound > 0.9 * truth[key]  # these profiles are not convex, but the bound is not far off
+    if power == 0:  # at the slowest time every computation runs at its cheapest option: no gap
+        assert bounds[-1] == pytest.approx(truth[keys[-1]])
+    assert solver_module.energy_lower_bounds(dag, profile, power, [(keys[0] - 1) * UNIT]) == [math.inf]
+
+
+def test_lower_bound_certifies_the_fast_frontier_on_a_synthetic_profile() -> None:
+    dag = build_dag("1f1b", 4, 8)
+    curve = "v100"
+    profile = synthetic_profile(4, curve, forward_time_s=0.1, seed=1)
+    power = blocking_power_w(curve)
+    frontier = solve(dag, profile, power, 0.005)
+    plans = frontier.plans[:: max(1, len(frontier.plans) // 20)]
+    bounds = solver_module.energy_lower_bounds(dag, profile, power, [p.time_s for p in plans])
+    gaps = [(p.energy_j - b) / b for p, b in zip(plans, bounds, strict=True)]
+    assert all(g >= -1e-9 for g in gaps)  # no plan beats the bound
+    assert max(gaps) < 0.005  # and the frontier is within half a percent of it
+
+
+def test_lower_bound_rejects_bad_input() -> None:
+    dag = build_dag("1f1b", 2, 2)
+    profile = random_profile(2, 2, 1)
+    with pytest.raises(ValueError, match="iteration times"):
+        solver_module.energy_lower_bounds(dag, profile, 0.0, [0.0])
+    with pytest.raises(ValueError, match="blocking power"):
+        solver_module.energy_lower_bounds(dag, profile, -1.0, [1.0])
+    with pytest.raises(PipelineProfileError):
+        solver_module.energy_lower_bounds(build_dag("1f1b", 3, 2), profile, 0.0, [1.0])

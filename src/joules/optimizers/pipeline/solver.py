@@ -41,6 +41,10 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
 rounding times to the unit merges no options, and ``"fast"`` otherwise. Plans are reported
 with their real (unrounded) times and energies.
+
+:func:`energy_lower_bounds` solves the convex relaxation exactly at given iteration times
+(one linear program each): no plan is below it, so it bounds how far any frontier is from
+the optimum.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -78,6 +83,7 @@ SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
 MAX_UNIT_S = 3600.0  # the longest unit time accepted (an hour)
 _INF = 1 << 62
+_N = TypeVar("_N", int, float)  # durations in units, or times
 
 
 @dataclass
@@ -158,9 +164,9 @@ class Problem:
 
 # -- convex relaxation (Phillips-Dessouky on the lower convex hulls) ------------------------------
 
-def _hull(ds: list[int], cs: list[float]) -> tuple[list[int], list[float]]:
+def _hull(ds: Sequence[_N], cs: Sequence[float]) -> tuple[list[_N], list[float]]:
     """Vertices of the lower convex hull of the staircase points (durations ascending)."""
-    hx: list[int] = []
+    hx: list[_N] = []
     hy: list[float] = []
     for x, y in zip(ds, cs, strict=True):
         while len(hx) >= 2 and (hy[-1] - hy[-2]) * (x - hx[-1]) >= (y - hy[-1]) * (hx[-1] - hx[-2]):
@@ -889,9 +895,8 @@ def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> li
     """Durations of the relaxed plan of least energy (effective energy + blocked energy), by LP.
 
     Where the walk passes it, a unit less starts to cost at least the blocked energy it saves:
-    every slower state of the walk is dominated, so the walk can start there. The LP (HiGHS,
-    through SciPy) has per computation its duration, an epigraph variable above each hull
-    segment and a start time, and the iteration time, weighted by the blocked energy per unit.
+    every slower state of the walk is dominated, so the walk can start there. The LP
+    (:class:`_RelaxationLP`) weighs the iteration time by the blocked energy per unit.
 
     Returns:
         The durations (rounded to units, within each hull), or ``None`` without SciPy or when
@@ -899,46 +904,138 @@ def _useful_start(p: Problem, hulls: list[_Hull], blocked_per_unit: float) -> li
     """
     if _linprog is None:
         return None
-    n = len(hulls)
     scale = 1e-3  # LP time in thousands of units, to keep coefficients near 1
-    # Variables: d (n), c (n), s (n), T.
-    D, C, S, T = 0, n, 2 * n, 3 * n
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    rhs: list[float] = []
-    r = 0
-    for v, h in enumerate(hulls):
-        for k, slope in enumerate(h.slopes):  # c_v >= ys[k] - slope * (d_v - xs[k])
-            rows += [r, r]
-            cols += [C + v, D + v]
-            vals += [-1.0, -slope / scale]
-            rhs.append(-h.ys[k] - slope * h.xs[k])
-            r += 1
-    for v in range(n):
-        for w in p.succs[v]:  # s_v + d_v <= s_w
-            rows += [r, r, r]
-            cols += [S + v, D + v, S + w]
+    lp = _RelaxationLP(p.succs, [([x * scale for x in h.xs], h.ys) for h in hulls])
+    solved = lp.solve(time_cost=blocked_per_unit / scale)
+    if solved is None:
+        return None
+    durations = solved[0][:len(hulls)]
+    return [min(max(round(d / scale), h.xs[0]), h.xs[-1]) for d, h in zip(durations, hulls, strict=True)]
+
+
+class _RelaxationLP:
+    """The convex relaxation of one iteration as a linear program (HiGHS, through SciPy).
+
+    Variables, per computation ``v``: its duration ``d_v`` (within its hull), an epigraph
+    variable ``c_v`` above every segment of its hull (its relaxed effective energy) and its
+    start ``s_v``; and the iteration time ``T``. Constraints: ``s_v + d_v <= s_w`` for every
+    dependency and ``s_v + d_v <= T``. The objective is ``sum(c_v) + time_cost * T``, with
+    ``T`` free or bounded above. The matrix is built once for any number of solves.
+
+    Args:
+        succs: Successors of each computation.
+        hulls: Per computation, the vertices ``(xs, ys)`` of its lower convex hull of
+            (time, effective energy), times ascending, in the LP's time unit.
+    """
+
+    def __init__(self, succs: Sequence[Sequence[int]],
+                 hulls: Sequence[tuple[Sequence[float], Sequence[float]]]) -> None:
+        n = self.n = len(hulls)
+        d_, c_, s_, t_ = 0, n, 2 * n, 3 * n
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        rhs: list[float] = []
+        r = 0
+        for v, (xs, ys) in enumerate(hulls):
+            if len(xs) == 1:  # one option: c_v >= its energy
+                rows.append(r)
+                cols.append(c_ + v)
+                vals.append(-1.0)
+                rhs.append(-ys[0])
+                r += 1
+            for k in range(len(xs) - 1):  # c_v >= ys[k] + slope * (d_v - xs[k])
+                slope = (ys[k + 1] - ys[k]) / (xs[k + 1] - xs[k])
+                rows += [r, r]
+                cols += [c_ + v, d_ + v]
+                vals += [-1.0, slope]
+                rhs.append(slope * xs[k] - ys[k])
+                r += 1
+        for v in range(n):
+            for w in succs[v]:  # s_v + d_v <= s_w
+                rows += [r, r, r]
+                cols += [s_ + v, d_ + v, s_ + w]
+                vals += [1.0, 1.0, -1.0]
+                rhs.append(0.0)
+                r += 1
+            rows += [r, r, r]  # s_v + d_v <= T
+            cols += [s_ + v, d_ + v, t_]
             vals += [1.0, 1.0, -1.0]
             rhs.append(0.0)
             r += 1
-        rows += [r, r, r]  # s_v + d_v <= T
-        cols += [S + v, D + v, T]
-        vals += [1.0, 1.0, -1.0]
-        rhs.append(0.0)
-        r += 1
-    a = _sp.coo_matrix((vals, (rows, cols)), shape=(r, 3 * n + 1)).tocsr()
-    cost = np.zeros(3 * n + 1)
-    cost[C:C + n] = 1.0
-    cost[T] = blocked_per_unit / scale
-    bounds = ([(h.xs[0] * scale, h.xs[-1] * scale) for h in hulls] + [(None, None)] * n
-              + [(0, None)] * n + [(None, None)])
-    # Dual simplex without presolve: on LPs this small, presolve costs more than it saves.
-    res = _linprog(cost, A_ub=a, b_ub=np.asarray(rhs), bounds=bounds, method="highs-ds",
-                   options={"presolve": False})
-    if res.status != 0:
-        return None
-    return [min(max(round(x / scale), h.xs[0]), h.xs[-1]) for x, h in zip(res.x[:n], hulls, strict=True)]
+        self.a = _sp.coo_matrix((vals, (rows, cols)), shape=(r, 3 * n + 1)).tocsr()
+        self.rhs = np.asarray(rhs)
+        self.bounds: list[tuple[float | None, float | None]] = (
+            [(xs[0], xs[-1]) for xs, _ in hulls] + [(None, None)] * n + [(0, None)] * n + [(None, None)])
+
+    def solve(self, time_cost: float = 0.0, time_max: float | None = None) -> tuple[np.ndarray, float] | None:
+        """The optimal variables ``[d, c, s, T]`` and objective (``None``: no solution).
+
+        Args:
+            time_cost: Weight of the iteration time in the objective.
+            time_max: The longest iteration time allowed (``None``: any).
+        """
+        cost = np.zeros(3 * self.n + 1)
+        cost[self.n:2 * self.n] = 1.0
+        cost[-1] = time_cost
+        bounds = self.bounds if time_max is None else [*self.bounds[:-1], (None, time_max)]
+        # Dual simplex without presolve: on LPs this small, presolve costs more than it saves.
+        res = _linprog(cost, A_ub=self.a, b_ub=self.rhs, bounds=bounds, method="highs-ds",
+                       options={"presolve": False})
+        return (res.x, float(res.fun)) if res.status == 0 else None
+
+
+def energy_lower_bounds(dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float,
+                        times_s: Sequence[float]) -> list[float]:
+    """A lower bound on the energy of any plan no slower than each of ``times_s``.
+
+    The bound on :meth:`Frontier.energy_at <joules.optimizers.pipeline.frontier.Frontier.energy_at>`:
+    the convex relaxation, solved exactly. Every computation may run anywhere on the lower
+    convex hull of its options' (time, effective energy), as if it could mix two neighbouring
+    frequencies, and the least energy of an iteration no slower than each time, blocked time
+    included, is one linear program (with SciPy's HiGHS). No plan that fast uses less energy,
+    so a plan is at most as far above the optimum as it is above the bound: a certificate of
+    how good a frontier is. The optimum itself can lie above the bound (the options are
+    discrete), by a few hundredths of a percent on nearly flat profiles.
+
+    Args:
+        dag: The pipeline.
+        profile: Time and energy of each computation at each frequency.
+        blocking_power_w: Power of a GPU blocked on communication, W.
+        times_s: Iteration times, s.
+
+    Returns:
+        The bound at each time, J (``math.inf`` below the fastest achievable iteration time).
+
+    Raises:
+        ImportError: SciPy is not installed (``pip install joules[pipeline]``).
+        PipelineProfileError: The profile lacks a stage or instruction.
+        ValueError: Bad blocking power or time.
+    """
+    if _linprog is None:
+        raise ImportError("energy_lower_bounds needs SciPy: pip install 'joules[pipeline]'")
+    if not (blocking_power_w >= 0 and math.isfinite(blocking_power_w)):
+        raise ValueError(f"blocking power must be a finite number >= 0 W (got {blocking_power_w})")
+    times = [float(t) for t in times_s]
+    if any(not (t > 0 and math.isfinite(t)) for t in times):
+        raise ValueError(f"iteration times must be positive and finite (got {times_s!r})")
+    ms = 1e3  # LP time in milliseconds, to keep coefficients near 1
+    table = option_table(dag, profile)
+    hulls = []
+    for opts in table:
+        front = pareto_front(opts.values(), blocking_power_w)
+        effective = [o.energy_j - blocking_power_w * o.time_s for o in front]
+        hulls.append(_hull([o.time_s * ms for o in front], effective))
+    lp = _RelaxationLP(dag.successors(), hulls)
+    fastest = timeline(dag, [xs[0] for xs, _ in hulls]).time_s
+    blocked_per_ms = blocking_power_w * dag.stages / ms
+    out = []
+    for t in times:
+        # Plans no slower than t: the iteration time is free up to t, its blocked energy counted.
+        fits = t * ms >= fastest * (1 - 1e-12)
+        solved = lp.solve(time_cost=blocked_per_ms, time_max=t * ms) if fits else None
+        out.append(math.inf if solved is None else solved[1])
+    return out
 
 
 class _Batch:
