@@ -540,3 +540,26 @@ def test_lower_bound_rejects_bad_input() -> None:
         solver_module.energy_lower_bounds(dag, profile, -1.0, [1.0])
     with pytest.raises(PipelineProfileError):
         solver_module.energy_lower_bounds(build_dag("1f1b", 3, 2), profile, 0.0, [1.0])
+
+
+def test_walk_starts_at_the_least_energy_plan_when_a_computation_has_one_option() -> None:
+    """A computation with a single clock gives the LP no slope: it is held at its one energy.
+
+    (Without that constraint the LP was unbounded and the walk started from the slowest plan.)
+    """
+    base = synthetic_profile(2, "a100", forward_time_s=0.1, seed=3)
+    rows = [(s, k, o.frequency, o.time_s, o.energy_j) for (s, k), opts in base.options.items() for o in opts
+            if (s, k) != (1, "backward") or o.frequency == max(x.frequency for x in opts)]
+    profile = PipelineProfile.from_rows(rows)
+    dag = build_dag("1f1b", 2, 4)
+    power = blocking_power_w("a100")
+    p = Problem.build(dag, profile, power, solver_module.FINE_UNIT_S)
+    hulls = [solver_module._Hull(p.durations[v], p.costs[v]) for v in range(len(dag.nodes))]
+    start = solver_module._useful_start(p, hulls, power * dag.stages * solver_module.FINE_UNIT_S)
+    assert start is not None
+    slowest = [h.xs[-1] for h in hulls]
+    assert start != slowest  # blocking power makes the least-energy plan faster than the slowest
+    assert all(h.xs[0] <= d <= h.xs[-1] for d, h in zip(start, hulls, strict=True))
+    bound = solver_module.energy_lower_bounds(dag, profile, power, [100.0])[0]
+    frontier = solve(dag, profile, power, 0.001)
+    assert bound <= min(pl.energy_j for pl in frontier.plans) + 1e-6
