@@ -103,6 +103,7 @@ class Row:
     worst_changes: list[str]  # at the worst point, computations where joules' clock differs
     # Distance to the relaxation's lower bound (--bound), % of the bound, at the points sampled:
     bound_points: int = 0
+    bound_s: float = 0.0  # time of the bound's linear programs, all points together
     joules_bound_max_pct: float = 0.0
     joules_bound_mean_pct: float = 0.0
     lowtime_bound_max_pct: float = 0.0
@@ -166,12 +167,15 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
                          if a != b]
     top = frontier.max_frequency
     gaps: dict[str, dict[str, list[float]]] = {}
+    bound_s = 0.0
     if bound:
         # Up to `bound` of lowtime's points evenly spread, and up to `bound` where joules is higher.
         spread = set(range(0, len(plans), max(1, len(plans) // bound)))
         worse_at = [i for i, d in enumerate(diffs) if d > tol]
         picked = sorted(spread | set(worse_at[:: max(1, len(worse_at) // bound)]))
+        t0 = time.perf_counter()
         lbs = energy_lower_bounds(dag, profile, pb, [plans[i].time_s for i in picked])
+        bound_s = time.perf_counter() - t0
         for name, energy in (("joules", lambda i: frontier.energy_at(plans[i].time_s)),
                              ("lowtime", lambda i: plans[i].energy_j)):
             gaps[name] = {"all": [], "higher": []}
@@ -206,7 +210,7 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         higher_from_pct=(100 * (min(p.time_s for p in higher) - lt_lo) / (lt_hi - lt_lo)
                          if higher and lt_hi > lt_lo else 0.0),
         worst_changes=worst_changes,
-        bound_points=len(gaps.get("joules", {}).get("all", [])),
+        bound_points=len(gaps.get("joules", {}).get("all", [])), bound_s=bound_s,
         joules_bound_max_pct=gap("joules", "all", max), joules_bound_mean_pct=gap("joules", "all", mean),
         lowtime_bound_max_pct=gap("lowtime", "all", max), lowtime_bound_mean_pct=gap("lowtime", "all", mean),
         joules_bound_max_higher_pct=gap("joules", "higher", max),
@@ -284,13 +288,14 @@ def main() -> None:
     console.print(walk)
     if args.bound:
         lb = Table(title="Above the relaxation's lower bound (% of the bound) at lowtime's points sampled")
-        for col in ("GPU curve", "S x M", "unit", "points", "joules max", "joules mean", "lowtime max",
-                    "lowtime mean", "where joules is higher: joules max", "lowtime max"):
+        for col in ("GPU curve", "S x M", "unit", "points", "bound s", "joules max", "joules mean",
+                    "lowtime max", "lowtime mean", "where joules is higher: joules max", "lowtime max"):
             lb.add_column(col, justify="right")
         for r in rows:
             higher = (f"{r.joules_bound_max_higher_pct:.3f} %", f"{r.lowtime_bound_max_higher_pct:.3f} %") \
                 if r.worse else ("-", "-")
             lb.add_row(r.curve, f"{r.stages}x{r.microbatches}", f"{r.unit_ms:g} ms", str(r.bound_points),
+                       f"{r.bound_s:.2f}",
                        f"{r.joules_bound_max_pct:.3f} %", f"{r.joules_bound_mean_pct:.3f} %",
                        f"{r.lowtime_bound_max_pct:.3f} %", f"{r.lowtime_bound_mean_pct:.3f} %", *higher)
         console.print(lb)

@@ -1027,13 +1027,11 @@ def energy_lower_bounds(dag: PipelineDAG, profile: PipelineProfile, blocking_pow
         effective = [o.energy_j - blocking_power_w * o.time_s for o in front]
         hulls.append(_hull([o.time_s * ms for o in front], effective))
     lp = _RelaxationLP(dag.successors(), hulls)
-    fastest = timeline(dag, [xs[0] for xs, _ in hulls]).time_s
-    blocked_per_ms = blocking_power_w * dag.stages / ms
     out = []
     for t in times:
-        # Plans no slower than t: the iteration time is free up to t, its blocked energy counted.
-        fits = t * ms >= fastest * (1 - 1e-12)
-        solved = lp.solve(time_cost=blocked_per_ms, time_max=t * ms) if fits else None
+        # Plans no slower than t: the iteration time is free up to t, its blocked energy counted
+        # (no solution: faster than any plan).
+        solved = lp.solve(time_cost=blocking_power_w * dag.stages / ms, time_max=t * ms)
         out.append(math.inf if solved is None else solved[1])
     return out
 
