@@ -27,7 +27,10 @@ lowtime's time range, and how joules' clocks differ from lowtime's at the worst 
 With ``--bound N``, both frontiers are also compared with the relaxation's lower bound
 (:func:`joules.optimizers.pipeline.solver.energy_lower_bounds`, below every plan) at up to N
 of lowtime's points spread over its range and up to N of those where joules is higher: how
-far above the optimum each tool can at most be.
+far above the optimum each tool can at most be. Where joules is higher, a last table compares
+each tool's plan with the bound at that plan's own iteration time (joules' plan there is the
+one no slower than lowtime's, so it is earlier): two plans each at the bound are both optimal
+and differ only in when they finish.
 
 Goal: joules at least 10x faster on every case, with energy no higher at any point.
 
@@ -103,13 +106,20 @@ class Row:
     worst_changes: list[str]  # at the worst point, computations where joules' clock differs
     # Distance to the relaxation's lower bound (--bound), % of the bound, at the points sampled:
     bound_points: int = 0
+    bound_higher_points: int = 0  # of them, where joules is higher
     bound_s: float = 0.0  # time of the bound's linear programs, all points together
     joules_bound_max_pct: float = 0.0
     joules_bound_mean_pct: float = 0.0
     lowtime_bound_max_pct: float = 0.0
     lowtime_bound_mean_pct: float = 0.0
     joules_bound_max_higher_pct: float = 0.0  # where joules is higher than lowtime
-    lowtime_bound_max_higher_pct: float = 0.0
+    lowtime_bound_max_higher_pct: float = 0.0  # (lowtime's plan is at the point: its own time)
+    lowtime_bound_mean_higher_pct: float = 0.0
+    # There, joules' plan (the least-energy one no slower than the point) against the bound at
+    # the plan's own iteration time, and how much earlier than the point that time is:
+    joules_own_bound_max_higher_pct: float = 0.0
+    joules_own_bound_mean_higher_pct: float = 0.0
+    joules_lag_max_ms: float = 0.0
 
 
 REPEAT_UNDER_S = 10.0  # lowtime is run again (up to --repeat times) only while a run takes less
@@ -168,6 +178,7 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
     top = frontier.max_frequency
     gaps: dict[str, dict[str, list[float]]] = {}
     bound_s = 0.0
+    lags: list[float] = []
     if bound:
         # Up to `bound` of lowtime's points evenly spread, and up to `bound` where joules is higher.
         spread = set(range(0, len(plans), max(1, len(plans) // bound)))
@@ -176,6 +187,13 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         t0 = time.perf_counter()
         lbs = energy_lower_bounds(dag, profile, pb, [plans[i].time_s for i in picked])
         bound_s = time.perf_counter() - t0
+        # Where joules is higher: its plan there, against the bound at that plan's own time.
+        higher_at = [i for i in picked if diffs[i] > tol]
+        own = [frontier.plan_for_time(plans[i].time_s) for i in higher_at]
+        own_lbs = energy_lower_bounds(dag, profile, pb, [q.time_s for q in own])
+        own_gaps = [(q.energy_j - lb) / lb * 100 for q, lb in zip(own, own_lbs, strict=True)]
+        gaps["joules_own"] = {"higher": own_gaps}
+        lags = [(plans[i].time_s - q.time_s) * 1000 for i, q in zip(higher_at, own, strict=True)]
         for name, energy in (("joules", lambda i: frontier.energy_at(plans[i].time_s)),
                              ("lowtime", lambda i: plans[i].energy_j)):
             gaps[name] = {"all": [], "higher": []}
@@ -211,10 +229,15 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
                          if higher and lt_hi > lt_lo else 0.0),
         worst_changes=worst_changes,
         bound_points=len(gaps.get("joules", {}).get("all", [])), bound_s=bound_s,
+        bound_higher_points=len(lags),
         joules_bound_max_pct=gap("joules", "all", max), joules_bound_mean_pct=gap("joules", "all", mean),
         lowtime_bound_max_pct=gap("lowtime", "all", max), lowtime_bound_mean_pct=gap("lowtime", "all", mean),
         joules_bound_max_higher_pct=gap("joules", "higher", max),
         lowtime_bound_max_higher_pct=gap("lowtime", "higher", max),
+        lowtime_bound_mean_higher_pct=gap("lowtime", "higher", mean),
+        joules_own_bound_max_higher_pct=gap("joules_own", "higher", max),
+        joules_own_bound_mean_higher_pct=gap("joules_own", "higher", mean),
+        joules_lag_max_ms=max(lags, default=0.0),
     )
 
 
@@ -299,6 +322,21 @@ def main() -> None:
                        f"{r.joules_bound_max_pct:.3f} %", f"{r.joules_bound_mean_pct:.3f} %",
                        f"{r.lowtime_bound_max_pct:.3f} %", f"{r.lowtime_bound_mean_pct:.3f} %", *higher)
         console.print(lb)
+        if any(r.worse for r in rows):
+            own = Table(title="Where joules is higher: each tool's plan against the bound at the plan's own "
+                              "iteration time (% of the bound)")
+            for col in ("GPU curve", "S x M", "unit", "points", "joules max", "joules mean", "lowtime max",
+                        "lowtime mean", "joules' plan earlier by, max"):
+                own.add_column(col, justify="right")
+            for r in rows:
+                if r.worse:
+                    own.add_row(r.curve, f"{r.stages}x{r.microbatches}", f"{r.unit_ms:g} ms",
+                                str(r.bound_higher_points),
+                                f"{r.joules_own_bound_max_higher_pct:.4f} %",
+                                f"{r.joules_own_bound_mean_higher_pct:.4f} %",
+                                f"{r.lowtime_bound_max_higher_pct:.4f} %",
+                                f"{r.lowtime_bound_mean_higher_pct:.4f} %", f"{r.joules_lag_max_ms:.2f} ms")
+            console.print(own)
     for r in rows:
         if r.worse:
             console.print(f"{r.curve} {r.stages}x{r.microbatches} @ {r.unit_ms:g} ms: joules is higher at "
