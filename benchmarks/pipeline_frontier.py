@@ -257,14 +257,17 @@ def main() -> None:
     parser.add_argument("--span-parts", type=int, default=solver.SPAN_PARTS,
                         help="joules' hull chords span at most 1/N of a computation's time range "
                              "(1: only the SPAN_UNITS cap, as before it)")
+    parser.add_argument("--span-units", type=int, default=solver.SPAN_UNITS,
+                        help="joules' hull chords span at most N time units (0: chords not merged)")
     parser.add_argument("--plans-per-unit", type=int, default=solver.PLANS_PER_UNIT,
                         help="joules plans this many iteration times per unit")
     args = parser.parse_args()
     if args.span_parts < 1 or args.plans_per_unit < 1:
         sys.exit("--span-parts and --plans-per-unit must be at least 1")
-    if args.bound < 0:
-        sys.exit("--bound must be 0 (off) or more")
+    if args.bound < 0 or args.span_units < 0:
+        sys.exit("--bound and --span-units must be 0 or more")
     solver.SPAN_PARTS, solver.PLANS_PER_UNIT = args.span_parts, args.plans_per_unit
+    solver.SPAN_UNITS = args.span_units
     cases = QUICK if args.quick else FULL
     if args.case:
         try:
