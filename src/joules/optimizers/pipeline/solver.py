@@ -36,7 +36,10 @@ discrete time-cost trade-off problem, NP-hard on general DAGs. Two methods:
        time (a second candidate there) and half-way to it (a quarter unit on). All iteration
        times at once, with NumPy. The fastest time is planned once more on real option times
        (rounded down to the microsecond, a plan can miss it by a fraction of one).
-    3. The frontier is the lower envelope of these plans, evaluated with real times.
+    3. From the plan of least energy made, option steps (each one computation one option
+       slower or faster, the iteration time free) are taken while one lowers the energy,
+       blocked time included: the least-energy plan overall can be slower than any planned.
+    4. The frontier is the lower envelope of these plans, evaluated with real times.
 
 ``"auto"`` (default) uses ``"exact"`` when the number of option combinations is small and
 rounding times to the unit merges no options, and ``"fast"`` otherwise. Plans are reported
@@ -80,6 +83,8 @@ PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time,
 HALF_WAY = True  # and improves each plan again half-way to the next slower planned time
 SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged,
 SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at least 6 chords each)
+LEAST_ENERGY_STEPS = 10_000  # most rounds of steps from the least-energy plan (each lowers its energy)
+LEAST_ENERGY_BATCH = 8  # most steps tried together in a round
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
 MAX_UNIT_S = 3600.0  # the longest unit time accepted (an hour)
 _INF = 1 << 62
@@ -881,7 +886,14 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
     again = again[(again != out[parent[r:]]).any(axis=1)]
     # The fastest time once more, on real times, from the relaxed plan that fits it.
     rows = np.vstack([rows, again, batch.fastest(start[-1:])])
-    return batch.plans(rows), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
+    # The least energy overall, with the iteration time free, from the least-energy plan made.
+    iteration, total = batch.real(rows)
+    k = int(np.argmin(total))
+    least = batch.least_energy(rows[k], float(total[k]))
+    more = batch.real(least)
+    rows = np.vstack([rows, least])
+    real = (np.concatenate([iteration, more[0]]), np.concatenate([total, more[1]]))
+    return batch.plans(rows, real), {"relaxation_cuts": cuts, "rebuilds": walker.rebuilds,
                                "refreshes": walker.refreshes, "deadlines": len(deadlines)}
 
 
@@ -1095,6 +1107,7 @@ class _Batch:
         self.flat_e = np.array([o.energy_j for v in first for o in p.options[v]], dtype=np.float64)
         self.flat_f = np.array([o.frequency for v in first for o in p.options[v]], dtype=np.int64)
         self.shift = np.asarray(group, dtype=np.int64) * span
+        self.count = np.array([len(ds) for ds in p.durations], dtype=np.int64)  # options per node
         self.keys = self.flat_d + np.repeat(np.arange(len(first), dtype=np.int64) * span, sizes)
         # The same for real times, in seconds (plans that must meet a real iteration time).
         real_span = self.real_span = 2.0 * float(self.flat_t.max(initial=0.0)) + 1.0
@@ -1113,6 +1126,48 @@ class _Batch:
         narrow = sum(ds[-1] for ds in p.durations) < 2**31 - 1
         self.pass_d = self.flat_d.astype(np.int32) if narrow else self.flat_d
         self.pass_step = np.minimum(self.step_d, 2**31 - 1).astype(np.int32) if narrow else self.step_d
+
+    def real(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Real iteration time (s) and energy (J) of each option-index row."""
+        cols = rows + self.offset
+        times = self.flat_t[cols]
+        iteration = self.makespan(times)
+        blocked = self.p.blocking_power_w * (self.p.dag.stages * iteration - times.sum(axis=1))
+        return iteration, self.flat_e[cols].sum(axis=1) + blocked
+
+    def least_energy(self, row: np.ndarray, energy: float) -> np.ndarray:
+        """``row`` (real energy ``energy``) improved by option steps, the iteration time free.
+
+        The walk and the greedy pass plan for given iteration times; the plan of least energy
+        overall may be a little slower than any of them. From ``row``, every single step (one
+        computation one option slower or faster) is evaluated, blocked time included; of those
+        that lower the energy, the best of each computation, in order of energy, are applied
+        one more at a time (up to ``LEAST_ENERGY_BATCH``) and the best of these combinations is
+        kept (at least the best single step), until no step lowers the energy: fewer passes
+        over the DAG than one step at a time. Returns one row.
+        """
+        cur, best = row.copy(), energy
+        last = self.count - 1
+        eye = np.eye(self.n, dtype=row.dtype)
+        for _ in range(LEAST_ENERGY_STEPS):
+            up, down = cur < last, cur > 0
+            cand = np.vstack([(cur + eye)[up], (cur - eye)[down]])
+            node = np.concatenate([np.flatnonzero(up), np.flatnonzero(down)])
+            _, e = self.real(cand)
+            good = np.flatnonzero(e < best - 1e-12 * max(1.0, abs(best)))
+            if not good.size:
+                break
+            good = good[np.argsort(e[good], kind="stable")]
+            _, first = np.unique(node[good], return_index=True)  # each computation's best step
+            good = good[np.sort(first)][:LEAST_ENERGY_BATCH]
+            if good.size == 1:
+                cur, best = cand[good[0]], float(e[good[0]])
+                continue
+            combos = cur + np.cumsum(cand[good] - cur, axis=0)
+            _, e = self.real(combos)
+            k = int(np.argmin(e))  # the first is the best single step, which lowers the energy
+            cur, best = combos[k], float(e[k])
+        return cur[None, :]
 
     def round_down(self, durations: np.ndarray) -> np.ndarray:
         """Per row and node, the slowest option no longer than the duration (the fastest if none)."""
@@ -1134,19 +1189,16 @@ class _Batch:
         """Longest path of each row (``dur`` rows x nodes; integer or real durations)."""
         return self._ends(np.ascontiguousarray(dur[:, self.perm].T))[: self.n].max(axis=0)
 
-    def plans(self, rows: np.ndarray) -> list[Plan]:
+    def plans(self, rows: np.ndarray, real: tuple[np.ndarray, np.ndarray] | None = None) -> list[Plan]:
         """Real plans (times from the profile, not rounded) of option-index rows, each once.
+
+        ``real``: the rows' :meth:`real` times and energies, where already computed.
 
         Only rows that may be on the lower envelope are made into plans: in order of iteration
         time, then energy, those using no more energy than every row before them (any other is
         dropped by :func:`_lower_envelope` too, whatever else it is given).
         """
-        p = self.p
-        cols = rows + self.offset
-        times = self.flat_t[cols]
-        iteration = self.makespan(times)
-        blocked = p.blocking_power_w * (p.dag.stages * iteration - times.sum(axis=1))
-        total = self.flat_e[cols].sum(axis=1) + blocked
+        iteration, total = self.real(rows) if real is None else real
         order = np.lexsort((total, iteration))
         before = np.minimum.accumulate(np.concatenate([[np.inf], total[order]]))[:-1]
         kept = np.sort(order[total[order] <= before])
