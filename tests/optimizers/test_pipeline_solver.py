@@ -135,6 +135,17 @@ def test_fast_least_energy_plan_meets_the_lower_bound_on_a_flat_curve(seed: int)
     assert min(p.energy_j for p in frontier.plans) == frontier.plans[-1].energy_j
 
 
+def test_least_energy_search_in_small_chunks_finds_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidate plans are evaluated a bounded number at a time (memory); the result does not change."""
+    dag = build_dag("1f1b", 4, 8)
+    profile = synthetic_profile(4, "a40", forward_time_s=0.1, seed=1)
+    power = blocking_power_w("a40")
+    whole = solve(dag, profile, power, 0.005).plans[-1]
+    monkeypatch.setattr(solver_module, "LEAST_ENERGY_CELLS", 5 * len(dag.nodes))  # 5 candidates at once
+    chunked = solve(dag, profile, power, 0.005).plans[-1]
+    assert chunked == whole
+
+
 def test_fast_on_a_realistic_pipeline_saves_energy_at_the_fastest_time() -> None:
     dag = build_dag("1f1b", 4, 8)
     profile = synthetic_profile(4, "a100", seed=3)

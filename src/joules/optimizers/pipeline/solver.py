@@ -85,6 +85,7 @@ SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units to
 SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at least 6 chords each)
 LEAST_ENERGY_STEPS = 10_000  # most rounds of steps from the least-energy plan (each lowers its energy)
 LEAST_ENERGY_BATCH = 8  # most steps tried together in a round
+LEAST_ENERGY_CELLS = 1 << 20  # candidate plans x computations evaluated at once (memory)
 FINE_UNIT_S = 1e-6  # the fast method's internal time unit
 MAX_UNIT_S = 3600.0  # the longest unit time accepted (an hour)
 _INF = 1 << 62
@@ -1148,22 +1149,30 @@ class _Batch:
         """
         cur, best = row.copy(), energy
         last = self.count - 1
-        eye = np.eye(self.n, dtype=row.dtype)
+        chunk = max(1, LEAST_ENERGY_CELLS // self.n)  # candidate rows evaluated at once
         for _ in range(LEAST_ENERGY_STEPS):
-            up, down = cur < last, cur > 0
-            cand = np.vstack([(cur + eye)[up], (cur - eye)[down]])
-            node = np.concatenate([np.flatnonzero(up), np.flatnonzero(down)])
-            _, e = self.real(cand)
+            up, down = np.flatnonzero(cur < last), np.flatnonzero(cur > 0)
+            node = np.concatenate([up, down])
+            delta = np.concatenate([np.ones(up.size, dtype=cur.dtype),
+                                    np.full(down.size, -1, dtype=cur.dtype)])
+            e = np.empty(node.size)
+            for lo in range(0, node.size, chunk):
+                m = min(chunk, node.size - lo)
+                cand = np.repeat(cur[None, :], m, axis=0)
+                cand[np.arange(m), node[lo:lo + m]] += delta[lo:lo + m]
+                e[lo:lo + m] = self.real(cand)[1]
             good = np.flatnonzero(e < best - 1e-12 * max(1.0, abs(best)))
             if not good.size:
                 break
             good = good[np.argsort(e[good], kind="stable")]
             _, first = np.unique(node[good], return_index=True)  # each computation's best step
             good = good[np.sort(first)][:LEAST_ENERGY_BATCH]
+            steps = np.zeros((good.size, self.n), dtype=cur.dtype)
+            steps[np.arange(good.size), node[good]] = delta[good]
             if good.size == 1:
-                cur, best = cand[good[0]], float(e[good[0]])
+                cur, best = cur + steps[0], float(e[good[0]])
                 continue
-            combos = cur + np.cumsum(cand[good] - cur, axis=0)
+            combos = cur + np.cumsum(steps, axis=0)
             _, e = self.real(combos)
             k = int(np.argmin(e))  # the first is the best single step, which lowers the energy
             cur, best = combos[k], float(e[k])
