@@ -746,21 +746,26 @@ def _solve(dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float, 
     """:func:`solve`, its arguments checked."""
     t0 = time.perf_counter()
     meta: dict[str, object] = {}
-    fine: Problem | None = None
-    if method in ("auto", "exact"):
-        p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
-        if method == "auto" and p.combinations() <= EXACT_AUTO_LIMIT:
-            # Exact only where rounding to the unit keeps every option apart: a unit longer than
-            # the steps between options would plan on a coarser problem than the profile.
-            fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
-            method = "exact" if p.combinations() == fine.combinations() else "fast"
-        if method == "exact":
-            plans = [p.plan(c) for _, _, c in exact_points(p)]
-            # Rounded times can make the fastest real plan tie with a slower, cheaper one, which
-            # then drops it: the fastest time is planned on real times too.
-            plans += _fastest(fine or Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S))
-        else:
-            method = "fast"
+    fine: Problem | None = None  # options at the fast method's unit (a microsecond)
+    p: Problem | None = None  # options rounded to the unit asked for
+    if method == "auto":
+        # Exact only for few combinations, and where rounding to the unit keeps every option
+        # apart (a unit longer than the steps between options would plan on a coarser problem
+        # than the profile). The unit can only merge options, so too many on the fine problem
+        # settles it without building the rounded one.
+        fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
+        method = "fast"
+        if fine.combinations() <= EXACT_AUTO_LIMIT:
+            p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
+            if p.combinations() == fine.combinations():
+                method = "exact"
+    if method == "exact":
+        if p is None:
+            p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
+        plans = [p.plan(c) for _, _, c in exact_points(p)]
+        # Rounded times can make the fastest real plan tie with a slower, cheaper one, which
+        # then drops it: the fastest time is planned on real times too.
+        plans += _fastest(fine or Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S))
     if method == "fast":
         if fine is None:
             fine = Problem.build(dag, profile, blocking_power_w, FINE_UNIT_S)
