@@ -30,7 +30,10 @@ of lowtime's points spread over its range and up to N of those where joules is h
 far above the optimum each tool can at most be. Where joules is higher, a last table compares
 each tool's plan with the bound at that plan's own iteration time (joules' plan there is the
 one no slower than lowtime's, so it is earlier): two plans each at the bound are both optimal
-and differ only in when they finish.
+and differ only in when they finish. It also counts, of the distinct lowtime plans where joules
+is higher, those *pinned* to their time: the bound ``PIN_MS`` earlier is already above the
+plan's energy, so a plan at least as low must finish less than ``PIN_MS`` before it (and be
+that close to optimal); no frontier is lower there without a plan that close to lowtime's.
 
 Goal: joules at least 10x faster on every case, with energy no higher at any point.
 
@@ -120,8 +123,10 @@ class Row:
     joules_own_bound_max_higher_pct: float = 0.0
     joules_own_bound_mean_higher_pct: float = 0.0
     joules_lag_max_ms: float = 0.0
+    higher_pinned: int = 0  # distinct lowtime plans where joules is higher, pinned (PIN_MS)
 
 
+PIN_MS = 0.1  # a lowtime plan is pinned when the bound this much earlier is above its energy
 REPEAT_UNDER_S = 10.0  # lowtime is run again (up to --repeat times) only while a run takes less
 
 
@@ -179,6 +184,7 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
     gaps: dict[str, dict[str, list[float]]] = {}
     bound_s = 0.0
     lags: list[float] = []
+    pinned = 0
     if bound:
         # Up to `bound` of lowtime's points evenly spread, and up to `bound` where joules is higher.
         spread = set(range(0, len(plans), max(1, len(plans) // bound)))
@@ -194,6 +200,11 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         own_gaps = [(q.energy_j - lb) / lb * 100 for q, lb in zip(own, own_lbs, strict=True)]
         gaps["joules_own"] = {"higher": own_gaps}
         lags = [(plans[i].time_s - q.time_s) * 1000 for i, q in zip(higher_at, own, strict=True)]
+        # Every distinct plan of lowtime's where joules is higher: is the bound PIN_MS earlier
+        # already above it?
+        distinct = list({(round(p.time_s, 9), round(p.energy_j, 6)): p for p in higher}.values())
+        early = energy_lower_bounds(dag, profile, pb, [p.time_s - PIN_MS / 1000 for p in distinct])
+        pinned = sum(lb > p.energy_j for p, lb in zip(distinct, early, strict=True))
         for name, energy in (("joules", lambda i: frontier.energy_at(plans[i].time_s)),
                              ("lowtime", lambda i: plans[i].energy_j)):
             gaps[name] = {"all": [], "higher": []}
@@ -238,6 +249,7 @@ def run_case(curve: str, stages: int, mbs: int, unit: float, forward_ms: float, 
         joules_own_bound_max_higher_pct=gap("joules_own", "higher", max),
         joules_own_bound_mean_higher_pct=gap("joules_own", "higher", mean),
         joules_lag_max_ms=max(lags, default=0.0),
+        higher_pinned=pinned,
     )
 
 
@@ -329,7 +341,8 @@ def main() -> None:
             own = Table(title="Where joules is higher: each tool's plan against the bound at the plan's own "
                               "iteration time (% of the bound)")
             for col in ("GPU curve", "S x M", "unit", "points", "joules max", "joules mean", "lowtime max",
-                        "lowtime mean", "joules' plan earlier by, max"):
+                        "lowtime mean", "joules' plan earlier by, max",
+                        f"lowtime plans pinned ({PIN_MS:g} ms)"):
                 own.add_column(col, justify="right")
             for r in rows:
                 if r.worse:
@@ -338,7 +351,8 @@ def main() -> None:
                                 f"{r.joules_own_bound_max_higher_pct:.4f} %",
                                 f"{r.joules_own_bound_mean_higher_pct:.4f} %",
                                 f"{r.lowtime_bound_max_higher_pct:.4f} %",
-                                f"{r.lowtime_bound_mean_higher_pct:.4f} %", f"{r.joules_lag_max_ms:.2f} ms")
+                                f"{r.lowtime_bound_mean_higher_pct:.4f} %", f"{r.joules_lag_max_ms:.2f} ms",
+                                f"{r.higher_pinned} of {r.higher_plans}")
             console.print(own)
     for r in rows:
         if r.worse:
