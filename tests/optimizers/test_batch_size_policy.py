@@ -53,6 +53,8 @@ def test_make_policy_and_bad_configs() -> None:
     assert isinstance(make_policy(PolicyConfig((32, 64), 64)), JoulesPolicy)  # the default variant
     for kw, match in [({"variant": "zeus"}, "unknown policy variant"),
                       ({"default_batch_size": 48}, "not one of batch_sizes"),
+                      ({"default_batch_size": np.int64(64)}, "default_batch_size must be an integer"),
+                      ({"batch_sizes": (32, np.int64(64))}, "batch_sizes must be positive integers"),
                       ({"batch_sizes": (32, 32, 64)}, "distinct"),
                       ({"batch_sizes": ()}, "empty"),
                       ({"eta": 1.5}, "eta"), ({"beta": 1.0}, "beta"), ({"window_size": -1}, "window_size"),
@@ -338,6 +340,22 @@ def test_aborted_trials_teach_nothing_and_free_their_slot(variant: str) -> None:
     assert 64 not in state["in_flight"] and 64 not in policy.summary(state).explored
     state, d = policy.next_trial(state)
     assert d.batch_size == 64
+
+
+def test_nsdi23_second_round_abort_keeps_the_first_rounds_verdict() -> None:
+    policy = make_policy(PolicyConfig((16, 32, 64), 32, seed=0, variant="nsdi23"))
+    state = policy.initial_state()
+    costs = {16: 90.0, 32: 100.0, 64: 120.0}
+    while state["explore"]["round"] == 1:
+        state, d = policy.next_trial(state)
+        state = policy.observe(state, TrialResult(d.batch_size, R, costs[d.batch_size], epochs=3))
+    assert policy.summary(state).explored == {16: "ok", 32: "ok", 64: "ok"}
+    state, d = policy.next_trial(state)  # round 2 starts from the cheapest
+    assert d.batch_size == 16 and policy.summary(state).explored[16] == "pending"
+    state = policy.observe(state, TrialResult(16, A, 0.0))
+    assert policy.summary(state).explored == {16: "ok", 32: "ok", 64: "ok"}
+    state, d = policy.next_trial(state)
+    assert d.batch_size == 16  # handed out again
 
 
 def test_observe_rejects_unknown_batch_sizes_and_bad_costs() -> None:

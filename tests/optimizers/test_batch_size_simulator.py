@@ -97,6 +97,11 @@ def test_load_job_joins_both_traces(tmp_path: Path) -> None:
     (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,adam,200,fast,100\n"),
      "summary_power_v100.csv, line 2: time_per_epoch='fast' is not a number"),
     (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,adam,200,1,100\n"
+                                                         "toy,net,32,adam,100,-5,60\n"),
+     "summary_power_v100.csv, line 3: time_per_epoch='-5' is not a positive finite number"),
+    (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,adam,200,1,nan\n"),
+     "summary_power_v100.csv, line 2: average_power='nan' is not a positive finite number"),
+    (lambda d: (d / "summary_power_v100.csv").write_text(POWER_HEADER + "toy,net,32,adam,200,1,100\n"
                                                          "toy,net,32,adam,100,2,60\n"
                                                          "toy,net,32,adam,200,1,90\n"),
      r"summary_power_v100.csv, line 4: power_limit 200 W of toy/net/32/adam is already on line 2"),

@@ -97,12 +97,15 @@ def _check_config(config: PolicyConfig) -> None:
     bs = config.batch_sizes
     if not bs:
         raise ValueError("batch_sizes is empty")
-    if any(not isinstance(b, int) or b <= 0 for b in bs):
+    if any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in bs):
         raise ValueError(f"batch_sizes must be positive integers, got {list(bs)}")
     if len(set(bs)) != len(bs):
         raise ValueError(f"batch_sizes must be distinct, got {list(bs)}")
-    if config.default_batch_size not in bs:
-        raise ValueError(f"default_batch_size {config.default_batch_size} is not one of batch_sizes")
+    d = config.default_batch_size
+    if not isinstance(d, int) or isinstance(d, bool):  # (a numpy integer would end up in the JSON state)
+        raise ValueError(f"default_batch_size must be an integer, got {d!r}")
+    if d not in bs:
+        raise ValueError(f"default_batch_size {d} is not one of batch_sizes")
     if not 0.0 <= config.eta <= 1.0:
         raise ValueError(f"eta must be within [0, 1], got {config.eta:g}")
     if not (config.beta > 1.0 and math.isfinite(config.beta)):
@@ -349,7 +352,10 @@ class NSDI23Policy(_BasePolicy):
         key = str(bs)
         if rnd is not None and rnd["status"].get(key) == _PENDING and bs not in state["in_flight"]:
             del rnd["status"][key]
-            state["explored"].pop(key, None)
+            if rnd["round"] > 1:  # a later round's candidates all reached the target in the first
+                state["explored"][key] = _OK
+            else:
+                state["explored"].pop(key, None)
 
     def _view(self, state: PolicyState) -> tuple[str, dict[str, str], list[int]]:
         rnd = state["explore"]

@@ -95,6 +95,13 @@ def _float(path: Path, line: int, row: dict[str, str], column: str) -> float:
         raise ProfileError(f"{path}, line {line}: {column}={row.get(column)!r} is not a number") from None
 
 
+def _positive(path: Path, line: int, row: dict[str, str], column: str) -> float:
+    value = _float(path, line, row, column)
+    if not (value > 0 and math.isfinite(value)):
+        raise ProfileError(f"{path}, line {line}: {column}={row[column]!r} is not a positive finite number")
+    return value
+
+
 def load_profile_csv(path: str | Path) -> Profile:
     """Load a recorded power-limit profile: one row per profiling window.
 
@@ -142,13 +149,13 @@ def trace_profiles(path: str | Path) -> list[Profile]:
     seen: dict[tuple[str, float], int] = {}
     for line, row in _rows(path, _TRACE_COLUMNS):
         key = f"{row['dataset']}/{row['network']}/{row['batch_size']}/{row['optimizer']}"
-        t = _float(path, line, row, "time_per_epoch")
-        limit = _float(path, line, row, "power_limit")
+        t, limit, power = (_positive(path, line, row, c)
+                           for c in ("time_per_epoch", "power_limit", "average_power"))
         if (key, limit) in seen:
             raise ProfileError(f"{path}, line {line}: power_limit {limit:g} W of {key} is already on "
                                f"line {seen[key, limit]}")
         seen[key, limit] = line
-        groups.setdefault(key, []).append(LimitPoint(limit, t, t * _float(path, line, row, "average_power")))
+        groups.setdefault(key, []).append(LimitPoint(limit, t, t * power))
     return [Profile(name, tuple(points)) for name, points in groups.items()]
 
 
