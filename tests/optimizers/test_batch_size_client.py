@@ -614,6 +614,7 @@ def test_a_bad_job_spec_names_the_field():
 @pytest.mark.parametrize(("metric", "error", "match"), [
     ("0.9", TypeError, r"metric must be a number, got str '0\.9'"),
     (None, TypeError, r"metric must be a number, got NoneType None"),
+    (True, TypeError, r"metric must be a number, got bool True"),
     (math.nan, ValueError, r"metric must be finite, got nan"),
     (math.inf, ValueError, r"metric must be finite, got inf"),
 ])

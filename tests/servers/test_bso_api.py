@@ -184,6 +184,8 @@ def test_unknown_job_and_trial_are_404_naming_them(bso_server: Served) -> None:
     ({"unknown": 1}, {"unknown"}),
     ({"seed": -1}, {"seed"}),
     ({"seed": True, "max_epochs": True}, {"seed", "max_epochs"}),  # JSON true is no integer
+    ({"target_metric": True, "max_power_w": True, "eta": False, "stale_after_s": True},
+     {"target_metric", "max_power_w", "eta", "stale_after_s"}),  # nor a number
     ({"knobs": {"lr": "x" * 1001}}, {"knobs"}),
     ({"knobs": {"k" * 1001: 1}}, {"knobs"}),
 ])
@@ -205,6 +207,7 @@ def test_bad_job_is_422_naming_fields(bso_server: Served, body: dict, fields: se
     ({"epoch": 2_000_000, "time_s": 1, "energy_j": 1, "metric": 0}, {"epoch"}),
     ({"epoch": 1, "time_s": 1, "energy_j": 1, "metric": 0, "loss": 3}, {"loss"}),
     ({"epoch": True, "time_s": 1, "energy_j": 1, "metric": 0}, {"epoch"}),
+    ({"epoch": 1, "time_s": True, "energy_j": False, "metric": True}, {"time_s", "energy_j", "metric"}),
 ])
 def test_bad_report_is_422_naming_fields(bso_server: Served, body: dict, fields: set[str]) -> None:
     with bso_server.client() as c:
@@ -230,6 +233,21 @@ def test_malformed_bodies_are_422(bso_server: Served) -> None:
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "status"]
         r = c.get("/jobs/" + "x" * 65)
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["path", "job_id"]
+
+
+def test_inputs_json_text_cannot_echo_are_422_not_500(bso_server: Served) -> None:
+    """The 422 echoes the input at fault: a lone surrogate or a body that is not UTF-8 too."""
+    json_type = {"Content-Type": "application/json"}
+    with bso_server.client() as c:
+        job = register(c, spec())
+        r = c.post(f"/jobs/{job}/trials", content=b'{"client": "\\ud800"}', headers=json_type)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "client"], r.text
+        assert r.json()["detail"][0]["input"] == "\\ud800"
+        r = c.post(f"/jobs/{job}/trials", content=b'{"\\udc00": 1}', headers=json_type)
+        assert r.status_code == 422, r.text
+        r = c.post("/jobs", content=b"\xff\xfe", headers={"Content-Type": "text/plain"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body"], r.text
+        assert c.get(f"/jobs/{job}").status_code == 200
 
 
 def test_nul_and_control_characters_are_422_on_every_backend(bso_server: Served) -> None:

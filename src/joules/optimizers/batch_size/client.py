@@ -679,7 +679,7 @@ def _retryable(error: ServerError) -> bool:
 
 def _check_metric(metric: object) -> None:
     """Raise naming ``metric`` unless it is a finite number (``float(metric)`` works; not a string)."""
-    if isinstance(metric, (str, bytes)):
+    if isinstance(metric, (str, bytes, bool)):
         raise TypeError(f"metric must be a number, got {type(metric).__name__} {metric!r}")
     try:
         finite = math.isfinite(metric)  # type: ignore[arg-type]

@@ -192,11 +192,24 @@ class _Unauthorized(Exception):
 
 
 def _json_safe(value: Any) -> Any:
-    """``value`` with every NaN or infinite float replaced by its string (``"nan"``, ``"inf"``)."""
+    r"""``value`` made writable as JSON text.
+
+    Every NaN or infinite float becomes its string (``"nan"``, ``"inf"``), a string that UTF-8
+    cannot hold (a lone surrogate, which JSON's ``\ud800`` escapes can make) gets it escaped,
+    and bytes (a body that was not JSON) are decoded, what is not UTF-8 replaced.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
     return value
@@ -265,9 +278,10 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        # FastAPI's own handler fails (500) on a NaN or infinite input (JSON has no such
-        # numbers): those are written as strings instead.
-        return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
+        # FastAPI's own handler fails (500) on an input it echoes that JSON text cannot hold (a
+        # NaN or infinite number, a lone surrogate, bytes that are not UTF-8): made safe first.
+        errors = jsonable_encoder(_json_safe(exc.errors()))
+        return JSONResponse(status_code=422, content={"detail": _json_safe(errors)})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -55,7 +55,14 @@ def _not_bool(value: object) -> object:
     return value
 
 
+def _number_not_bool(value: object) -> object:
+    if isinstance(value, bool):  # JSON true is not the number 1.0
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
 Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_number_not_bool)]
 KnobText = Annotated[str, Field(max_length=MAX_KNOB_LENGTH)]
 
 
@@ -68,19 +75,19 @@ class JobCreate(_Model):
         description="Candidate batch sizes (distinct, positive, at most 2**31 - 1).")
     default_batch_size: Int = Field(gt=0, le=MAX_BATCH_SIZE,
                                     description="Where exploration starts; one of batch_sizes.")
-    target_metric: float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
+    target_metric: Float = Field(allow_inf_nan=False, description="Validation metric that ends a trial.")
     higher_is_better: bool = Field(True, description="False for metrics like WER.")
     max_epochs: Int = Field(gt=0, le=1_000_000, description="Epochs after which a trial fails.")
-    max_power_w: float = Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False,
+    max_power_w: Float = Field(gt=0, le=MAX_POWER_W, allow_inf_nan=False,
                                description="Max power of the job's GPUs, W (at most 1e9).")
-    eta: float = Field(0.5, ge=0.0, le=1.0, description="Weight of energy in the cost.")
-    beta: float = Field(2.0, gt=1.0, le=1000.0, allow_inf_nan=False, description="Early-stop factor.")
+    eta: Float = Field(0.5, ge=0.0, le=1.0, description="Weight of energy in the cost.")
+    beta: Float = Field(2.0, gt=1.0, le=1000.0, allow_inf_nan=False, description="Early-stop factor.")
     window_size: Int = Field(0, ge=0, le=100_000, description="Observations kept per batch size; 0: all.")
-    prior_mean: float | None = Field(None, ge=-MAX_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)
-    prior_precision: float = Field(0.0, ge=0.0, le=MAX_PRIOR, allow_inf_nan=False)
+    prior_mean: Float | None = Field(None, ge=-MAX_PRIOR, le=MAX_PRIOR, allow_inf_nan=False)
+    prior_precision: Float = Field(0.0, ge=0.0, le=MAX_PRIOR, allow_inf_nan=False)
     seed: Int | None = Field(None, ge=0, lt=2**63)
     policy: Literal["joules", "nsdi23"] = "joules"
-    stale_after_s: float = Field(
+    stale_after_s: Float = Field(
         86400.0, ge=1.0, le=MAX_STALE_AFTER_S, allow_inf_nan=False,
         description="A running trial with no epoch report (nor creation) for this long, s, is ended as "
                     "aborted, freeing its batch size for the policy (at most 10 years).")
@@ -167,9 +174,9 @@ class EpochReport(_Model):
     """One epoch of a trial: its time, energy, and validation metric after it."""
 
     epoch: Int = Field(ge=1, le=1_000_000)
-    time_s: float = Field(ge=0.0, le=MAX_EPOCH_TIME_S, allow_inf_nan=False)
-    energy_j: float = Field(ge=0.0, le=MAX_EPOCH_ENERGY_J, allow_inf_nan=False)
-    metric: float = Field(allow_inf_nan=False)
+    time_s: Float = Field(ge=0.0, le=MAX_EPOCH_TIME_S, allow_inf_nan=False)
+    energy_j: Float = Field(ge=0.0, le=MAX_EPOCH_ENERGY_J, allow_inf_nan=False)
+    metric: Float = Field(allow_inf_nan=False)
 
 
 class EpochAnswer(_Model):
