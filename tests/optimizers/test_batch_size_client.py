@@ -47,8 +47,9 @@ class FakeServer:
     """The endpoints of schemas.py, in memory; records requests; can fail on demand.
 
     ``failures`` is consumed one per request: ``"connect"`` (connection error), ``"timeout"``
-    (read timeout before the server sees it), ``"lost"`` (the server handles it, the answer
-    is lost: a read timeout), an int status (answered without handling), or ``None`` (handled).
+    (read timeout before the server sees it), ``"garbled"`` (an answer httpx cannot decode),
+    ``"lost"`` (the server handles it, the answer is lost: a read timeout), an int status
+    (answered without handling), or ``None`` (handled).
     """
 
     def __init__(self, token: str | None = None, choose: Callable[[dict], int] | None = None) -> None:
@@ -76,6 +77,8 @@ class FakeServer:
             raise httpx.ConnectError("connection refused", request=request)
         if action == "timeout":
             raise httpx.ReadTimeout("timed out", request=request)
+        if action == "garbled":  # e.g. a proxy's broken compression
+            raise httpx.DecodingError("bad gzip stream", request=request)
         if isinstance(action, int):
             return httpx.Response(action, json={"detail": f"injected {action}"},
                                   headers={"Retry-After": self.retry_after} if action == 429 else {})
@@ -383,6 +386,13 @@ def test_the_last_retry_error_names_the_url_and_the_failure():
     with pytest.raises(ServerError, match="ConnectError: connection refused") as info:
         bso.get_batch_size()
     assert info.value.status_code is None
+
+    server.failures = ["garbled"] * 3  # any other failure of httpx's is a ServerError too
+    with pytest.raises(ServerError, match="DecodingError: bad gzip stream") as info:
+        bso.get_batch_size()
+    assert info.value.status_code is None
+    server.failures = ["garbled"]
+    assert bso.get_batch_size() == 64  # and retried like a lost connection
 
 
 def test_a_lost_epoch_answer_is_retried_safely():

@@ -636,7 +636,7 @@ class BatchSizeOptimizer:
                 failure = f"timed out after {self.timeout_s:g} s ({type(e).__name__})"
                 log.warning("%s %s: %s (attempt %d of %d)", method, url, failure, attempt + 1, attempts)
                 continue
-            except httpx.TransportError as e:
+            except httpx.HTTPError as e:  # connection, protocol, an answer that cannot be decoded
                 failure = f"{type(e).__name__}: {e}"
                 log.warning("%s %s: %s (attempt %d of %d)", method, url, failure, attempt + 1, attempts)
                 continue
