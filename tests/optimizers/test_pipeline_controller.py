@@ -130,6 +130,20 @@ def test_no_permission_raises_a_clear_error_and_changes_nothing(sim: Simulator, 
     assert ctl.stats.locks_applied == 0 and ctl.locked_mhz is None
 
 
+def test_a_failed_lock_leaves_the_computation_not_begun(sim: Simulator, tmp_path: Path) -> None:
+    gpu = sim.gpus[0]
+    gpu.allow_control = False
+    with FrequencyController(gpu, PLAN, journal_dir=tmp_path, strict=True) as ctl:
+        with pytest.raises(DevicePermissionError):
+            ctl.on_instruction_begin("forward", 0)
+        assert ctl.stats.instructions == 0 and ctl.stats.out_of_order == 0
+        gpu.allow_control = True  # e.g. permission granted, the job retries the step
+        assert ctl.on_instruction_begin("forward", 0) == 1410.0  # not "still running"
+        ctl.on_instruction_end("forward", 0)
+        assert ctl.stats.instructions == 1 and ctl.stats.locks_applied == 1
+    assert gpu.sm_clock_locked() is None
+
+
 def test_exception_in_the_with_block_restores(sim: Simulator, tmp_path: Path) -> None:
     gpu = sim.gpus[0]
     with pytest.raises(RuntimeError, match="training crashed"):
@@ -264,6 +278,18 @@ def test_another_pipelines_plan_is_named_once(sim: Simulator, tmp_path: Path, ca
     assert "backward 0 began, but the plan's next computation is forward 1" in warnings[0]
 
 
+def test_the_first_begin_out_of_order_is_named_after_other_mismatches(
+        sim: Simulator, tmp_path: Path, caplog) -> None:
+    with FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path) as ctl, caplog.at_level("WARNING"):
+        ctl.on_instruction_begin("forward", 0)
+        ctl.on_instruction_end("forward", 1)  # a mismatched end: counted first
+        assert ctl.stats.out_of_order == 1
+        ctl.on_instruction_begin("backward", 1)  # out of the plan's order
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "backward 1 began, but the plan's next computation is forward 1" in warnings[0]
+
+
 def test_set_plan_switches_at_the_next_instruction(sim: Simulator, tmp_path: Path) -> None:
     gpu = sim.gpus[0]
     slower = [Instruction(str(i["computation"]), int(i["microbatch"]), 900)  # type: ignore[arg-type, call-overload]
@@ -322,8 +348,14 @@ def test_from_rank_file_checks_the_stage(sim: Simulator, tmp_path: Path) -> None
     assert rank["schedule"] == "1f1b" and rank["microbatches"] == 2
     rank1 = tmp_path / "rank1.json"
     FrequencyController.from_file(rank1, sim.gpus[1], stage=1, microbatches=2, dry_run=True)
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(PlanMismatchError, match=r"plans 2 microbatches per iteration, but this rank runs 4"):
-        FrequencyController.from_file(rank1, sim.gpus[1], stage=1, microbatches=4, dry_run=True)
+        FrequencyController.from_file(rank1, sim.gpus[1], stage=1, microbatches=4, asynchronous=True,
+                                      journal_dir=tmp_path / "restore")
+    assert signal.getsignal(signal.SIGTERM) == handler  # no controller was left behind
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe[]")
+    with pytest.raises(PlanError, match=r"binary\.json: not JSON \(UnicodeDecodeError"):
+        FrequencyController.from_file(tmp_path / "binary.json", sim.gpus[1], dry_run=True)
     with pytest.raises(PlanMismatchError, match=r"rank0\.json is the plan of stage 0, but this rank runs "
                                                 r"stage 1; load rank1\.json"):
         FrequencyController.from_file(tmp_path / "rank0.json", sim.gpus[1], stage=1, dry_run=True)

@@ -255,6 +255,14 @@ def test_frontier_round_trips_through_json(tmp_path) -> None:
     (lambda d: d.pop("stages"), "KeyError"),
     (lambda d: d.update(plans=[]), "no plans"),
     (lambda d: d["plans"].reverse(), "plan 1 is not slower and cheaper than plan 0"),
+    (lambda d: d.update(stages=True), "stages is True, not a positive integer"),
+    (lambda d: d.update(microbatches=1.5), "microbatches is 1.5, not a positive integer"),
+    # A huge pipeline in a small file is refused before its DAG is built (it would take forever).
+    (lambda d: d.update(stages=1000, microbatches=1000), "max_frequency does not have 2000000 frequencies"),
+    (lambda d: d["plans"][0].update(frequencies=[0] * 12), "frequency 0 is not a positive integer"),
+    (lambda d: d["plans"][0].update(frequencies=[1410.5] * 12), "frequency 1410.5 is not a positive integer"),
+    (lambda d: d["plans"][0].update(time_s=float("nan")), "time_s is nan, not a finite number above 0"),
+    (lambda d: d.update(blocking_power_w=-1), "blocking_power_w is -1, not a finite number at least 0"),
 ])
 def test_malformed_frontier_files_are_refused(tmp_path, change, message) -> None:
     import json
@@ -264,6 +272,15 @@ def test_malformed_frontier_files_are_refused(tmp_path, change, message) -> None
     change(data)
     (tmp_path / "frontier.json").write_text(json.dumps(data))
     with pytest.raises(PlanError, match=message):
+        Frontier.load(tmp_path)
+
+
+def test_frontier_files_that_are_not_json_text_are_refused(tmp_path) -> None:
+    (tmp_path / "frontier.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(PlanError, match=r"frontier\.json: not JSON \(UnicodeDecodeError"):
+        Frontier.load(tmp_path)
+    (tmp_path / "frontier.json").write_text("[" * 100_000)
+    with pytest.raises(PlanError, match=r"frontier\.json: not JSON \(RecursionError"):
         Frontier.load(tmp_path)
 
 

@@ -282,6 +282,7 @@ class FrequencyController:
         self._next = 0
         self._running: tuple[Kind, int] | None = None
         self._locked_mhz: float | None = None
+        self._warned_order = False  # the first begin out of the plan's order is logged as a warning
         self._load(instructions)
         self.guard = clock_guard(gpu, guard, dry_run, journal_dir, handle_signals, recover_stale)
         # The first lock is made in the background thread, where no signal handler can be
@@ -343,11 +344,11 @@ class FrequencyController:
         """
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise PlanError(f"cannot read the stage plan {path}: {e}") from None
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise PlanError(f"{path}: not JSON ({type(e).__name__}: {e})") from None
         instructions = data.get("instructions") if isinstance(data, dict) else data
         if not isinstance(instructions, list):
             raise PlanError(f"{path}: expected a list of instructions or an object with 'instructions'")
@@ -365,14 +366,14 @@ class FrequencyController:
                     f"{path} is the plan of stage {recorded}, but this rank runs stage {stage}; "
                     f"load rank{stage}.json of the same plan directory"
                 )
-        controller = cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
-        planned = 1 + max(i.microbatch for i in controller.instructions)
+        # Checked before the controller is made: it installs signal handlers and recovers clocks.
+        planned = 1 + max(i.microbatch for i in parse_instructions(instructions))
         if microbatches is not None and planned != microbatches:
             raise PlanMismatchError(
                 f"{path} plans {planned} microbatches per iteration, but this rank runs {microbatches}: "
                 "plan again for this pipeline (joules pipeline plan --microbatches)"
             )
-        return controller
+        return cls(gpu, instructions, **kwargs)  # type: ignore[arg-type]
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -482,7 +483,8 @@ class FrequencyController:
                     f"is {want.computation} {want.microbatch} (instruction {expected})"
                 )
             self.stats.out_of_order += 1
-            if self.stats.out_of_order == 1:
+            if not self._warned_order:
+                self._warned_order = True
                 want = self._plan[expected]
                 log.warning("GPU %d: %s %d began, but the plan's next computation is %s %d: is the plan "
                             "another pipeline's (schedule, microbatches)? Such mismatches are counted in "
@@ -490,6 +492,7 @@ class FrequencyController:
                             want.computation, want.microbatch)
             else:
                 log.debug("GPU %d: %s %d out of the plan's order", self.gpu.index, kind, microbatch)
+        before = self._next, self._running, self.stats.instructions
         self._next = i + 1
         self._running = (kind, int(microbatch))
         self.stats.instructions += 1
@@ -500,7 +503,12 @@ class FrequencyController:
         if self.asynchronous:
             self._post(kind, int(microbatch), mhz)
         else:
-            self._lock(kind, int(microbatch), mhz)
+            try:
+                self._lock(kind, int(microbatch), mhz)
+            except BaseException:
+                # Not begun: the same computation may begin again (e.g. after a retry).
+                self._next, self._running, self.stats.instructions = before
+                raise
         return mhz
 
     # -- asynchronous locking ---------------------------------------------------------------

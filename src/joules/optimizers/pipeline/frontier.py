@@ -10,6 +10,7 @@ uses less energy, fastest first.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,16 @@ def stage_instructions(dag: PipelineDAG, frequencies: Sequence[int]) -> list[lis
     ]
 
 
+def _positive(data: dict[str, object], key: str, zero: bool = False) -> float:
+    """``data[key]`` as a finite number above 0 (or at least 0 with ``zero``), else PlanError."""
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not zero):
+        need = "at least 0" if zero else "above 0"
+        raise PlanError(f"malformed frontier: {key} is {value!r}, not a finite number {need}")
+    return float(value)
+
+
 @dataclass
 class Frontier:
     """The time-energy frontier of one iteration.
@@ -221,15 +232,28 @@ class Frontier:
         try:
             if data.get("version") != FORMAT_VERSION:
                 raise PlanError(f"unsupported frontier format version {data.get('version')!r}")
-            dag = build_dag(str(data["schedule"]), int(data["stages"]), int(data["microbatches"]))  # type: ignore[arg-type]
+            stages, microbatches = data["stages"], data["microbatches"]
+            for name, value in (("stages", stages), ("microbatches", microbatches)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise PlanError(f"malformed frontier: {name} is {value!r}, not a positive integer")
+            top = data["max_frequency"]
+            if not isinstance(top, dict) or len(top["frequencies"]) != 2 * stages * microbatches:
+                # (before the DAG is built: a huge count in a small file would take forever)
+                raise PlanError(f"malformed frontier: max_frequency does not have {2 * stages * microbatches}"
+                                f" frequencies for {stages} stages x {microbatches} microbatches")
+            dag = build_dag(str(data["schedule"]), stages, microbatches)
 
             def plan(d: object) -> Plan:
                 if not isinstance(d, dict):
                     raise PlanError(f"malformed frontier: a plan is {type(d).__name__}, not an object")
-                freqs = tuple(int(f) for f in d["frequencies"])
+                freqs = tuple(d["frequencies"])
                 if len(freqs) != len(dag.nodes):
                     raise PlanError(f"a plan has {len(freqs)} frequencies for {len(dag.nodes)} computations")
-                return Plan(freqs, float(d["time_s"]), float(d["energy_j"]))
+                bad = [f for f in freqs if isinstance(f, bool) or not isinstance(f, int) or f <= 0]
+                if bad:
+                    raise PlanError(f"malformed frontier: frequency {bad[0]!r} is not a positive integer")
+                time_s, energy_j = _positive(d, "time_s"), _positive(d, "energy_j")
+                return Plan(freqs, time_s, energy_j)
 
             plans = [plan(p) for p in data["plans"]]  # type: ignore[attr-defined]
             if not plans:
@@ -242,8 +266,8 @@ class Frontier:
                 dag=dag,
                 plans=plans,
                 max_frequency=plan(data["max_frequency"]),
-                blocking_power_w=float(data["blocking_power_w"]),  # type: ignore[arg-type]
-                unit_time_s=float(data["unit_time_s"]),  # type: ignore[arg-type]
+                blocking_power_w=_positive(data, "blocking_power_w", zero=True),
+                unit_time_s=_positive(data, "unit_time_s"),
                 solve_time_s=float(data.get("solve_time_s", 0.0)),  # type: ignore[arg-type]
                 profile_name=str(data.get("profile", "")),
                 meta=dict(data.get("meta") or {}),  # type: ignore[call-overload]
@@ -292,9 +316,11 @@ class Frontier:
         if not path.is_file():
             raise PlanError(f"frontier file not found: {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not JSON ({e})") from None
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise PlanError(f"cannot read the frontier {path}: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise PlanError(f"{path}: not JSON ({type(e).__name__}: {e})") from None
         if not isinstance(data, dict):
             raise PlanError(f"{path}: expected a JSON object")
         return cls.from_dict(data)
