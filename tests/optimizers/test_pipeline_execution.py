@@ -189,6 +189,23 @@ def test_energy_counters_agree_over_several_iterations(setup) -> None:
     assert close(r.energy_per_iteration_j, plan.energy_j, rel=0.03)
 
 
+def test_a_profile_read_from_energy_counters_is_close_to_the_truth(tmp_path) -> None:
+    # A100 counters update every 100 ms, longer than these computations: each is repeated
+    # over several periods (one reading of 20-60 ms would see 0 J, or one whole update).
+    work = [StageWork(0.02, 0.04), StageWork(0.03, 0.06)]
+    clocks = [1410, 1200, 900]
+    truth = profile_simulated(Simulator("A100x2"), work, frequencies=clocks)
+    counted = profile_simulated(Simulator("A100x2"), work, frequencies=clocks, meter="counter")
+    for stage in (0, 1):
+        for kind in ("forward", "backward"):
+            exact = {o.frequency: o for o in truth.of(stage, kind)}
+            for o in counted.of(stage, kind):
+                assert o.time_s == exact[o.frequency].time_s
+                assert close(o.energy_j, exact[o.frequency].energy_j, rel=0.1)
+    counted.to_csv(tmp_path / "profile.csv")
+    assert PipelineProfile.from_csv(tmp_path / "profile.csv").of(0, "forward") == counted.of(0, "forward")
+
+
 def test_bad_arguments(setup) -> None:
     sim, work, profile, pb = setup
     dag = build_dag("1f1b", STAGES, 2)
@@ -203,6 +220,14 @@ def test_bad_arguments(setup) -> None:
         execute(dag, plan, sim, work[:2])
     with pytest.raises(ValueError, match="iterations"):
         execute(dag, plan, sim, work, iterations=0)
+    with pytest.raises(ValueError, match="meter must be one of true, counter, got 'Ture'"):
+        execute(dag, plan, sim, work, meter="Ture")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="meter must be one of"):
+        profile_simulated(sim, work, meter="counters")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="probe_s must be a positive number"):
+        measure_blocking_power_w(sim, probe_s=0.0)
+    with pytest.raises(ValueError, match="stages must be at least 1"):
+        measure_blocking_power_w(sim, stages=0)
     with pytest.raises(ValueError, match="utilization"):
         StageWork(0.01, 0.02, utilization=0.0)
     with pytest.raises(PlanError, match="instructions for 3 stages"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import math
 import numbers
 import shutil
 import tempfile
@@ -128,6 +129,15 @@ def _stage_gpus(sim: Simulator, stages: int) -> list[SimGPU]:
     return sim.gpus[:stages]
 
 
+METERS = ("true", "counter")
+COUNTER_PERIODS = 10  # with the counter, a profiled computation is repeated over this many of its periods
+
+
+def _check_meter(meter: str) -> None:
+    if meter not in METERS:
+        raise ValueError(f"meter must be one of {', '.join(METERS)}, got {meter!r}")
+
+
 def _energy(gpu: SimGPU, meter: Meter) -> float:
     return gpu.true_energy_j() if meter == "true" else gpu.energy_j()
 
@@ -174,13 +184,19 @@ def profile_simulated(
             :func:`~joules.optimizers.pipeline.profiler.default_frequencies`.
         lowest_mhz: Lowest default clock (see :func:`default_frequencies`).
         step: Spacing of the default clocks (see :func:`default_frequencies`).
-        meter: ``"true"`` (exact energy) or ``"counter"`` (the GPU's energy counter; its
-            coarse updates make short computations inaccurate).
+        meter: ``"true"`` (exact energy) or ``"counter"`` (the GPU's energy counter, updated
+            only every so often: each computation is then repeated back to back over at least
+            ``COUNTER_PERIODS`` of its update periods, and its energy is the mean, as a real
+            profile of a computation shorter than the period has to be made).
         name: Name of the profile.
 
     Returns:
         The profile; frequencies are whole MHz.
+
+    Raises:
+        ValueError: No work, too few GPUs or a bad meter.
     """
+    _check_meter(meter)
     if isinstance(sim, str):
         sim = Simulator(sim)
     if not work:
@@ -197,11 +213,13 @@ def profile_simulated(
                 for kind in KINDS:
                     gpu.set_workload(Constant(w.utilization))
                     t = gpu.step_time_s(w.work_s(kind), w.compute_fraction, w.utilization)
+                    period = gpu.energy_counter_period_s() if meter == "counter" else None
+                    repeats = 1 if not period else max(1, math.ceil(COUNTER_PERIODS * period / t))
                     e0 = _energy(gpu, meter)
-                    sim.advance(t)
+                    sim.advance(t * repeats)
                     e1 = _energy(gpu, meter)
                     gpu.set_workload(Constant(0.0))
-                    rows.append((s, kind, int(round(f)), t, e1 - e0))
+                    rows.append((s, kind, int(round(f)), t, (e1 - e0) / repeats))
     return PipelineProfile.from_rows(rows, name=name or f"simulated-{sim.spec}-{len(work)}stages")
 
 
@@ -215,6 +233,10 @@ def measure_blocking_power_w(sim: Simulator, stages: int | None = None, probe_s:
         stages: How many of its GPUs are stages (default: all).
         probe_s: How long to measure, s (virtual time).
     """
+    if not (probe_s > 0 and math.isfinite(probe_s)):
+        raise ValueError(f"probe_s must be a positive number of seconds, got {probe_s!r}")
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
     gpus = _stage_gpus(sim, len(sim.gpus) if stages is None else stages)
     for g in gpus:
         g.set_workload(Constant(0.0))
@@ -322,6 +344,7 @@ def execute(
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    _check_meter(meter)
     if len(work) != dag.stages:
         raise ValueError(f"got work for {len(work)} stages; the pipeline has {dag.stages}")
     gpus = _stage_gpus(sim, dag.stages)
