@@ -103,6 +103,10 @@ def test_profile_csv_round_trip_and_averaging(tmp_path) -> None:
         ("stage,instruction,frequency,time,energy\n0,forward,inf,1,1\n", "frequency 'inf' is not a finite"),
         ("stage,instruction,frequency,time,energy\n0,forward,1e400,1,1\n", "frequency '1e400' is not"),
         ("stage,instruction,frequency,time,time\n0,forward,1,2,3\n", "header names 'time' more than once"),
+        ("stage,instruction,frequency,time,energy, time\n0,forward,1410,0.1,1,0.5\n",
+         "header names 'time' more than once"),  # spaces around a name do not make another column
+        ("stage,instruction,frequency,time,energy\n0,forward,1410e6,1,1\n",
+         "frequency '1410e6' is beyond 100000 .MHz are expected."),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1,1e308\n", "energy '1e308' is beyond 1e"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,1e300,1\n", "time '1e300' is beyond 86400"),
         ("stage,instruction,frequency,time,energy\n0,forward,1,200,0.034,8.0\n",

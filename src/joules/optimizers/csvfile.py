@@ -21,7 +21,7 @@ def csv_rows(path: Path, error: type[Exception]) -> Iterator[csv.DictReader[str]
     with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         try:
-            names = reader.fieldnames or []
+            names = [n.strip() for n in reader.fieldnames or []]  # " time" is "time" to a reader
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
                 raise error(f"{path}: the header names {', '.join(map(repr, twice))} more than once")

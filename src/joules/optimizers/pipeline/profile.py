@@ -213,6 +213,8 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
         raise bad("frequency", "is not a finite number") from None
     if frequency <= 0:
         raise bad("frequency", "must be positive")
+    if frequency > MAX_FREQUENCY_MHZ:
+        raise bad("frequency", f"is beyond {MAX_FREQUENCY_MHZ} (MHz are expected)")
     values = []
     for field in ("time", "energy"):
         try:
@@ -227,6 +229,7 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
     return stage, instruction, frequency, values[0], values[1]
 
 
+MAX_FREQUENCY_MHZ = 100_000  # far above any GPU's clock: a frequency in Hz or kHz is refused
 # Far above any one computation (a day; a petajoule), low enough that sums stay finite.
 _MAX_VALUE = {"time": 86_400.0, "energy": 1e15}
 
