@@ -231,6 +231,9 @@ def test_lookup_by_computation_tolerates_another_order(sim: Simulator, tmp_path:
         assert ctl.frequency_of("backward", 0) == 1200.0
         with pytest.raises(PlanMismatchError, match="no forward of microbatch 7"):
             ctl.on_instruction_begin("forward", 7)
+        for odd in (0.5, "x", True):  # not a microbatch of the plan (True is not 1)
+            with pytest.raises(PlanMismatchError, match=f"no forward of microbatch {odd}"):
+                ctl.on_instruction_begin("forward", odd)  # type: ignore[arg-type]
         with pytest.raises(PlanMismatchError, match="unknown computation 'optimizer'"):
             ctl.on_instruction_begin("optimizer", 0)
 
@@ -311,6 +314,7 @@ def test_set_plan_switches_at_the_next_instruction(sim: Simulator, tmp_path: Pat
     ([{"computation": "forward", "microbatch": 0}], "malformed"),
     ([{"computation": "sideways", "microbatch": 0, "frequency": 1000}], "malformed"),
     ([{"computation": "forward", "microbatch": 0, "frequency": -5}], "positive frequency"),
+    ([{"computation": "forward", "microbatch": 1.7, "frequency": 1410}], "microbatch 1.7 is not a whole"),
 ])
 def test_bad_plans_are_rejected(sim: Simulator, bad: list[dict[str, object]], match: str) -> None:
     with pytest.raises(PlanError, match=match):

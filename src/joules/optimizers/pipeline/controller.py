@@ -141,7 +141,9 @@ def parse_instructions(instructions: Sequence[Mapping[str, object] | Instruction
                     raise TypeError(f"microbatch {mb!r}")
                 if isinstance(freq, bool) or not isinstance(freq, int | float | str):
                     raise TypeError(f"frequency {freq!r}")
-                ins = Instruction(kind, int(mb), int(float(freq)))
+                if float(mb) != int(float(mb)):
+                    raise ValueError(f"microbatch {mb!r} is not a whole number")
+                ins = Instruction(kind, int(float(mb)), int(float(freq)))
             except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise PlanError(f"instruction {i} ({raw!r}) is malformed: {type(e).__name__}: {e}") from None
         if ins.microbatch < 0 or ins.frequency <= 0:
@@ -440,8 +442,10 @@ class FrequencyController:
 
     def _lookup(self, kind: Kind, microbatch: int) -> int:
         try:
+            if isinstance(microbatch, bool) or int(microbatch) != microbatch:
+                raise KeyError(microbatch)  # 1.5, True, "1": no microbatch of the plan
             return self._by_key[(kind, int(microbatch))]
-        except KeyError:
+        except (KeyError, TypeError, ValueError):
             mbs = sorted({ins.microbatch for ins in self._plan})
             raise PlanMismatchError(
                 f"GPU {self.gpu.index}: the plan has no {kind} of microbatch {microbatch} (it has "
@@ -598,8 +602,9 @@ class FrequencyController:
             DevicePermissionError: (or what else locking raised) With ``asynchronous``, a
                 lock the background thread failed to make since the last call.
         """
-        key = (normalize_kind(computation), int(microbatch))
-        i = self._lookup(*key)
+        kind = normalize_kind(computation)
+        i = self._lookup(kind, microbatch)
+        key = (kind, int(microbatch))
         if key != self._running:
             if self.strict:
                 running = "nothing" if self._running is None else f"{self._running[0]} {self._running[1]}"
