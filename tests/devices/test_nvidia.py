@@ -1,3 +1,5 @@
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -366,6 +368,51 @@ def test_cuda_visible_devices_uuids_and_prefixes(sim, nvml):
         gpus_of({"CUDA_VISIBLE_DEVICES": "GPU-5e1a7ed0"})
     with pytest.raises(DeviceNotFoundError, match="matches no GPU"):
         gpus_of({"CUDA_VISIBLE_DEVICES": "GPU-00000000"})
+
+
+def test_mig_instances_of_one_gpu_are_restored_as_that_gpu(sim, tmp_path):
+    # The power limit is the physical GPU's: changed through two instances, it is restored to
+    # what it was before either (not to the first change), and a guard that ends first hands
+    # it to the one still running.
+    from joules.devices.restore import RestoreGuard, recover_report
+
+    with fake_pynvml.installed(sim, mig={0: 2}) as nvml:
+        nvml.nvmlInit()
+        parent = nvml.nvmlDeviceGetHandleByIndex(0)
+        migs = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, k)) for k in range(2)]
+        (a, b), _ = gpus_of({"CUDA_VISIBLE_DEVICES": ",".join(migs)})
+        assert a.control_uuid == b.control_uuid == nvml.nvmlDeviceGetUUID(parent) != a.uuid
+        one = RestoreGuard([a, b], journal_dir=tmp_path / "one", handle_signals=False)
+        one.set_power_limit_w(a, 250)
+        one.set_power_limit_w(b, 200)
+        assert [c.original_power_limit_w for c in one.changed] == [400.0]
+        assert one.restore() == [] and sim.gpus[0].power_limit_w() == 400.0
+
+        jobs = tmp_path / "jobs"
+        first = RestoreGuard([a], journal_dir=jobs, handle_signals=False)
+        second = RestoreGuard([b], journal_dir=jobs, handle_signals=False)
+        first.set_power_limit_w(a, 250)
+        second.set_power_limit_w(b, 200)
+        assert first.restore() == [] and sim.gpus[0].power_limit_w() == 200.0  # still second's
+        assert second.restore() == [] and sim.gpus[0].power_limit_w() == 400.0
+
+        # The journal names the physical GPU, so a job killed on one instance is recovered
+        # through any instance (a journal of an older version, naming the instance, through it).
+        third = RestoreGuard([a], journal_dir=jobs, handle_signals=False)
+        third.set_power_limit_w(a, 220)
+        (journal,) = jobs.glob("*.json")
+        data = json.loads(journal.read_text())
+        assert [g["uuid"] for g in data["gpus"]] == [a.control_uuid]
+        assert third.restore() == []
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                              capture_output=True, text=True)
+        for uuid, visible in ((a.control_uuid, b), (a.uuid, a)):
+            b.set_power_limit_w(230)
+            killed = {**data, "pid": int(gone.stdout), "process_start_time": None,
+                      "gpus": [{**data["gpus"][0], "uuid": uuid}]}
+            (jobs / "killed.json").write_text(json.dumps(killed))
+            assert [x.kind for x in recover_report([visible], jobs)] == ["restored"]
+            assert sim.gpus[0].power_limit_w() == 400.0
 
 
 def test_mig_device_is_measured_through_its_parent(sim):

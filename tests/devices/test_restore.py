@@ -313,6 +313,27 @@ def test_signal_during_a_change_is_handled_after_it(jdir: Path, sigterm_recorder
     assert g.power_limit_w() == 400.0 and guard.changed == [] and journals(jdir) == []
 
 
+def test_every_signal_held_during_a_change_is_handled(jdir: Path, sigterm_recorder: list[int]) -> None:
+    # Ctrl-C and a scheduler's SIGTERM arrive together: the first handler raises
+    # KeyboardInterrupt, and the SIGTERM must still reach the handler installed before.
+    sim = Simulator("A100")
+    gpu = sim.gpus[0]
+    real = gpu.set_power_limit_w
+
+    def set_power_limit_w(watts: float) -> None:
+        real(watts)
+        if watts < 400.0:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+
+    gpu.set_power_limit_w = set_power_limit_w  # type: ignore[method-assign]
+    guard = RestoreGuard([gpu], journal_dir=jdir)
+    with pytest.raises(KeyboardInterrupt):
+        guard.set_power_limit_w(gpu, 200.0)
+    assert sigterm_recorder == [signal.SIGTERM]
+    assert gpu.power_limit_w() == 400.0 and guard.changed == [] and journals(jdir) == []
+
+
 def test_no_signal_handlers_outside_the_main_thread(sim: Simulator, jdir: Path) -> None:
     import threading
 
@@ -694,6 +715,17 @@ def test_recover_reports_and_keeps_corrupt_journals(sim: Simulator, jdir: Path) 
     assert [x.kind for x in report] == ["corrupt", "corrupt"]
     assert not any(x.ok for x in report)
     assert len(journals(jdir)) == 2
+
+
+def test_a_journal_with_an_impossible_pid_is_corrupt_and_stops_nothing(sim: Simulator, jdir: Path) -> None:
+    guard = RestoreGuard(sim.gpus, journal_dir=jdir, handle_signals=False)
+    for g in sim.gpus:
+        guard.set_power_limit_w(g, 250.0)
+    write_journal(jdir, 2**64, [entry(sim.gpus[0], 300.0)], name="other.json")  # beyond any pid
+    assert guard.restore() == []
+    assert [g.power_limit_w() for g in sim.gpus] == [400.0, 400.0]
+    assert [x.kind for x in recover_report(sim.gpus, jdir)] == ["corrupt"]
+    assert not process_alive(2**64)
 
 
 def test_recover_failure_is_reported_and_kept(sim: Simulator, jdir: Path) -> None:

@@ -88,6 +88,16 @@ class GPU(ABC):
         """
         return self.uuid
 
+    @property
+    def control_uuid(self) -> str:
+        """UUID of the device whose power limit and clocks this one sets.
+
+        Its own UUID, except for a MIG instance: the limit and the clocks are the whole
+        physical GPU's, so what changes them through two instances changes one device (a
+        :class:`~joules.devices.restore.RestoreGuard` keys its changes and journals by it).
+        """
+        return self.uuid
+
     # -- energy and power -------------------------------------------------------------------
     @abstractmethod
     def has_energy_counter(self) -> bool:

@@ -385,6 +385,11 @@ class NVMLGPU(GPU):
         """The physical GPU's UUID (also for a MIG instance, which reports the whole GPU)."""
         return self.gpu_uuid
 
+    @property
+    def control_uuid(self) -> str:
+        """The physical GPU's UUID (also for a MIG instance: limits and clocks are the whole GPU's)."""
+        return self.gpu_uuid
+
     def energy_counter_period_s(self) -> float | None:
         if self._read_energy is None:
             return None

@@ -123,7 +123,7 @@ def process_alive(pid: int, start_time: int | None = None) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (no process has a pid beyond the C type)
         return False
     except PermissionError:
         pass  # it exists, owned by another user
@@ -215,8 +215,16 @@ def _holding_signals() -> Iterator[None]:
         if _busy.depth == 0 and threading.current_thread() is threading.main_thread():
             pending = _PENDING_SIGNALS[:]
             _PENDING_SIGNALS.clear()
+            raised: BaseException | None = None
             for guard, signum, frame, prev in pending:
-                guard._on_signal(signum, frame, prev)
+                # Each one is handled, even when an earlier one's handler raised (Ctrl-C's
+                # KeyboardInterrupt): a SIGTERM held with it still reaches its handler.
+                try:
+                    guard._on_signal(signum, frame, prev)
+                except BaseException as e:  # noqa: BLE001 - raised once all were handled
+                    raised = raised or e
+            if raised is not None:
+                raise raised
 
 
 @contextlib.contextmanager
@@ -419,7 +427,7 @@ class _Entry:
 
     def journal(self) -> dict[str, Any]:
         data: dict[str, Any] = {
-            "uuid": self.gpu.uuid,
+            "uuid": self.gpu.control_uuid,  # the physical GPU of a MIG instance
             "index": self.gpu.index,
             "name": self.gpu.name,
             "power_limit_w": self.original_power_limit_w,
@@ -519,7 +527,7 @@ class RestoreGuard:
 
         Lock-free: one dictionary lookup, cheap enough to check before every computation.
         """
-        entry = self._entries.get(gpu.uuid)
+        entry = self._entries.get(gpu.control_uuid)
         return entry is not None and entry.sm_clock_locked
 
     @property
@@ -568,12 +576,12 @@ class RestoreGuard:
         """
         gpu.check_power_limit(watts)
         with self._critical(), _directory_lock(self.journal_dir):
-            entry = self._entries.get(gpu.uuid)
+            entry = self._entries.get(gpu.control_uuid)
             recorded = entry is None or entry.original_power_limit_w is None
             if recorded:
                 original = self._original_power_limit_w(gpu)
                 if entry is None:
-                    entry = self._entries[gpu.uuid] = _Entry(gpu)
+                    entry = self._entries[gpu.control_uuid] = _Entry(gpu)
                 entry.original_power_limit_w = original
             assert entry is not None
             before = entry.applied_power_limit_w, entry.applied_at
@@ -597,14 +605,14 @@ class RestoreGuard:
             DevicePermissionError: No permission (nothing is changed or left in the journal).
         """
         with self._critical():
-            entry = self._entries.get(gpu.uuid)
+            entry = self._entries.get(gpu.control_uuid)
             recorded = entry is None or not entry.sm_clock_locked
             # Only a first lock waits for the journal directory: one that restores meanwhile
             # must see it. Later locks (a pipeline's, often) do not.
             with _directory_lock(self.journal_dir) if recorded else contextlib.nullcontext():
                 if recorded:
                     if entry is None:
-                        entry = self._entries[gpu.uuid] = _Entry(gpu)
+                        entry = self._entries[gpu.control_uuid] = _Entry(gpu)
                     entry.sm_clock_locked = True
                     self._write_journal()
                 self._register()
@@ -642,7 +650,7 @@ class RestoreGuard:
             # Each guard's journal (and registration) is updated before another one restores.
             with _directory_lock(self.journal_dir) if self._entries else contextlib.nullcontext():
                 for uuid, entry in list(self._entries.items()):
-                    if gpu is not None and uuid != gpu.uuid:
+                    if gpu is not None and uuid != gpu.control_uuid:
                         continue
                     errors += self._restore_entry(entry)
                     if entry.empty():
@@ -673,7 +681,7 @@ class RestoreGuard:
     def _restore_entry(self, entry: _Entry) -> list[str]:
         """Put one GPU back, or leave it to a running guard that has it changed too; the errors."""
         gpu = entry.gpu
-        done = _put_back(gpu, _live_holders(self.journal_dir, gpu.uuid, self), entry.sm_clock_locked,
+        done = _put_back(gpu, _live_holders(self.journal_dir, gpu.control_uuid, self), entry.sm_clock_locked,
                          entry.original_power_limit_w)
         for message in done.handed_over:
             logger.info("joules: GPU %d (%s): %s", gpu.index, gpu.uuid, message)
@@ -690,7 +698,7 @@ class RestoreGuard:
         change seen here already has its journal.
         """
         current = gpu.power_limit_w()
-        changed = [h for h in _live_holders(self.journal_dir, gpu.uuid, self)
+        changed = [h for h in _live_holders(self.journal_dir, gpu.control_uuid, self)
                    if h.original_power_limit_w is not None]
         if not changed:
             return current
@@ -706,7 +714,7 @@ class RestoreGuard:
     def _forget(self, entry: _Entry) -> None:
         """Drop an entry with nothing left to restore, and the journal and hooks if none is left."""
         if entry.empty():
-            self._entries.pop(entry.gpu.uuid, None)
+            self._entries.pop(entry.gpu.control_uuid, None)
         self._write_journal()
         if not self._entries:
             self._unregister()
@@ -843,7 +851,7 @@ def _parse_journal(data: object) -> tuple[str, int, int | None, list[dict[str, A
         raise ValueError("not a JSON object")
     host, pid, gpus = data.get("host"), data.get("pid"), data.get("gpus")
     start = data.get("process_start_time")
-    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
         raise ValueError("no valid host and pid")
     if start is not None and not isinstance(start, int):
         raise ValueError("bad process_start_time")
@@ -887,8 +895,8 @@ def _recover_journal(path: Path, by_uuid: dict[str, GPU], host: str) -> list[Rec
         label = f"GPU {gpu.index} ({gpu.name}, {gpu.uuid})"
         left = dict(entry)
         original = _number(entry.get("power_limit_w"))
-        result = _put_back(gpu, _live_holders(path.parent, gpu.uuid), bool(entry.get("sm_clock_locked")),
-                           original)
+        result = _put_back(gpu, _live_holders(path.parent, gpu.control_uuid),
+                           bool(entry.get("sm_clock_locked")), original)
         done, failed = result.done, result.failed
         if result.clock_done:
             left["sm_clock_locked"] = False
@@ -925,7 +933,10 @@ def recover_report(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -
     directory = Path(journal_dir) if journal_dir is not None else default_journal_dir()
     if not directory.is_dir():
         return []
+    # Journals name the physical GPU (control_uuid); older ones a MIG instance's own UUID.
     by_uuid = {g.uuid: g for g in gpus}
+    for g in gpus:
+        by_uuid.setdefault(g.control_uuid, g)
     host = _hostname()
     lines: list[RecoveryLine] = []
     with _directory_lock(directory):
