@@ -978,6 +978,51 @@ def test_counter_of_unknown_update_period_is_measured() -> None:
         mon.close()
 
 
+def test_short_windows_on_a_counter_of_unknown_period_are_flagged_corrected() -> None:
+    from joules.devices.nvidia import discover_nvml
+    from joules.testing import fake_pynvml
+
+    clock = VirtualClock()
+    sim = SimGPU(gpu_model("A100").with_overrides(arch="ada", name="NVIDIA L40S"), clock, 0, Constant(0.7))
+    with fake_pynvml.installed([sim]):
+        gpus, _ = discover_nvml({})
+        mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=clock))
+        clock.advance(2.0)
+        for dt in (0.002, 0.01, 0.03):
+            clock.advance_to((int(clock.now() * 10) + 1) / 10 - dt / 2)  # around the next update
+            e0 = sim.true_energy_j()
+            mon.begin_window("w")
+            clock.advance(dt)
+            d = mon.end_window("w").gpu[0]
+            assert d.source == Source.COUNTER and d.corrected  # shorter than the period may be
+            assert abs(d.energy_j - (sim.true_energy_j() - e0)) <= d.uncertainty_j
+        mon.close()
+
+
+def test_a_load_in_step_with_the_power_sensor_widens_the_bound() -> None:
+    # The A100's power reading averages the last quarter of each 100 ms period. A load with a
+    # 100 ms cycle shows it the same part of every cycle: the readings never vary, and are
+    # biased. The counter's own rate over its period disagrees, and the edges' bound says so.
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Periodic([(0.03, 1.0), (0.07, 0.0)]))
+    mon = EnergyMonitor(devices=sim.devices())
+    sim.advance(5.0)
+    assert mon.sampler.power_spread(0) < 0.01  # W: the readings barely vary
+    rng = random.Random(2)
+    outside = 0
+    for _ in range(100):
+        sim.advance(rng.uniform(0, 0.1))
+        e0 = sim.gpus[0].true_energy_j()
+        mon.begin_window("w")
+        sim.advance(rng.uniform(0.12, 0.6))
+        d = mon.end_window("w").gpu[0]
+        error = abs(d.energy_j - (sim.gpus[0].true_energy_j() - e0))
+        assert d.source == Source.COUNTER and error <= 4 * d.uncertainty_j
+        outside += error > d.uncertainty_j
+    assert outside <= 20  # (every window was, by hundreds of times, with the readings' spread alone)
+    mon.close()
+
+
 def test_amd_counter_without_a_known_period_is_measured() -> None:
     from joules.devices.amd import discover_amd
     from joules.testing.fake_amdsmi import MI300X, installed

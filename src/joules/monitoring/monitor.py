@@ -317,8 +317,15 @@ class EnergyMonitor:
                 self.reads["counter_skipped"] += 1
                 c, tick, half_width = known
             samples, power, spread = sampler.edge_state(gpu.index)
-            # Energy since the update that produced ``c``, from the latest power reading.
+            # Energy since the update that produced ``c``, from the latest power reading. The
+            # power may differ from it by the readings' recent spread, or by as much as the
+            # reading differs from the counter's own rate over its latest period: a sensor
+            # that averages part of each period, under a load in step with it, reads the same
+            # biased value every time (no spread).
             since = t - tick if t > tick else 0.0
+            rate = tracker.rate
+            if rate is not None:
+                spread = max(spread, abs(power - rate))
             gpu_edges.append(_GPUEdge(
                 c + power * since,
                 spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
@@ -601,7 +608,8 @@ class EnergyMonitor:
                 assert tracker is not None
                 energy = max(0.0, e.energy - self._interpolated_begin(tracker, b, e))
                 source = Source.COUNTER
-                corrected = elapsed < self._periods[k]
+                # (a counter of unknown period: the tracker's bound on it)
+                corrected = elapsed < (self._periods[k] or tracker.period)
                 uncertainty = b.uncertainty + e.uncertainty
                 if corrected:  # no counter update brackets the window: worst case, as estimates
                     uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))

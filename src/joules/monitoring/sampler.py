@@ -67,7 +67,7 @@ class CounterTracker:
 
     __slots__ = ("period", "_arc_start", "_arc_len", "_last_value", "_last_t", "_lo", "_hi", "_lock",
                  "_changes", "_values", "_last_end", "snapshot", "monotonic", "learn_phase", "resets",
-                 "__weakref__")  # weakly held by the fork hook that renews _lock
+                 "rate", "__weakref__")  # weakly held by the fork hook that renews _lock
 
     history = 1024
     """Counter updates remembered, for interpolating window edges after the fact."""
@@ -100,6 +100,9 @@ class CounterTracker:
         # (valid from, valid until, value, update time, half width): read lock-free by
         # :meth:`current`; replaced whole (atomically) after every observation.
         self.snapshot: tuple[float, float, float, float, float] | None = None
+        self.rate: float | None = None
+        """Mean rate of change between the two latest updates seen (W, for an energy counter):
+        what the counter itself says of the power over its latest period."""
 
     @property
     def locked(self) -> bool:
@@ -157,6 +160,11 @@ class CounterTracker:
             return (value, *self._refresh())
 
     def _record(self, value: float, lo: float, hi: float) -> None:
+        if self._changes and self.monotonic:
+            previous, p_lo, p_hi = self._changes[-1]
+            span = self._estimate(lo, hi)[0] - self._estimate(p_lo, p_hi)[0]
+            if span > 0 and lo > -math.inf and p_lo > -math.inf:
+                self.rate = (value - previous) / span
         self._lo, self._hi = lo, hi
         self._changes.append((value, lo, hi))
         self._values.append(value)
