@@ -233,6 +233,15 @@ def test_explicit_limits_and_custom_search(caplog):
     assert report["chosen_limit_w"] == opt.chosen_limit_w and len(report["points"]) == 3
 
 
+def test_a_step_that_does_not_divide_the_range_stays_within_it():
+    # H100: 200-700 W. 700 - 15 * (100 / 3) is a hair below 200 in floating point.
+    sim, _, opt = make("H100", selector="energy", search="sweep", step_w=100 / 3, profile_steps=3)
+    train(sim, opt, epochs=1, steps=200)  # each limit is set: none is refused
+    assert opt.limits_w[0] == 700.0 and opt.limits_w[-1] == 200.0 and len(opt.limits_w) == 16
+    assert all(200.0 <= w <= 700.0 for w in opt.limits_w)
+    assert set(opt.points) == set(opt.limits_w) and sim.gpus[0].power_limit_w() == 700.0
+
+
 def test_a_second_fit_with_the_same_optimizer_reapplies_or_resumes():
     sim, _, opt = make("A100", selector="energy")
     sim.gpus[0].set_power_limit_w(300.0)

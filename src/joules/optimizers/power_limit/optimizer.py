@@ -609,7 +609,9 @@ class PowerLimitOptimizer:
         if lo > hi:
             raise JoulesError(f"the GPUs share no allowed power limit (ranges meet at [{lo:g}, {hi:g}] W)")
         n = int(math.floor((hi - lo) / self.step_w + 1e-9))
-        return [hi - k * self.step_w for k in range(n + 1)]
+        # (max: a step that does not divide the range exactly in floating point can put the
+        # last limit a hair below the lowest allowed, which the device refuses)
+        return sorted({max(lo, hi - k * self.step_w) for k in range(n + 1)}, reverse=True)
 
     def _job_gpus(self) -> tuple[str, int, list[GPU]]:
         """The job's GPU model(s) and GPU count, and the GPUs whose energy this rank counts.
