@@ -234,19 +234,21 @@ def test_measure_warns_when_no_device_is_found() -> None:
     assert json.loads(r.stdout)["total_energy_j"] == 0
 
 
-def test_sigterm_to_joules_reaches_the_command_and_still_reports() -> None:
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_to_joules_reaches_the_command_and_still_reports(signame: str) -> None:
     import os
     import signal
     import time
 
+    signum = getattr(signal, signame)
     p = subprocess.Popen([JOULES, "measure", "--sim", "A100", "--json", "--", "sleep", "30"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(2.0)
-    os.kill(p.pid, signal.SIGTERM)  # joules alone, not its process group
+    os.kill(p.pid, signum)  # joules alone, not its process group
     out, err = p.communicate(timeout=30)
-    assert p.returncode == 128 + signal.SIGTERM, err  # sleep ended by the forwarded SIGTERM
+    assert p.returncode == 128 + signum, err  # sleep ended by the forwarded signal
     report = json.loads(out.strip().splitlines()[-1])
-    assert report["exit_code"] == 128 + signal.SIGTERM and 0.5 < report["time_s"] < 10
+    assert report["exit_code"] == 128 + signum and 0.5 < report["time_s"] < 10
 
 
 def test_timeline_needs_known_format() -> None:

@@ -118,8 +118,8 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
     (:func:`shell_code` gives what a shell would report).
 
     Ctrl-C reaches the child (same process group); joules waits for it to end and still
-    reports what was measured. SIGTERM sent to joules alone is passed on to the child, and
-    is handled the same way.
+    reports what was measured. SIGTERM and SIGHUP sent to joules alone are passed on to the
+    child (also one that arrives while it starts), and are handled the same way.
 
     Raises:
         CommandNotRunError: The command was not found (exit code 127) or is not executable
@@ -127,38 +127,55 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
     """
     if not command[0]:
         raise CommandNotRunError("command not found: '' (an empty command name)", 127)
-    monitor.begin_window("command")
-    try:
-        try:
-            proc = subprocess.Popen(command)
-        except OSError as e:
-            if e.errno != errno.ENOEXEC:
-                raise
-            # A script without a ``#!`` line: run it with /bin/sh, as execvp and shells do.
-            path = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
-            proc = subprocess.Popen(["/bin/sh", path, *command[1:]])
-    except FileNotFoundError:
-        monitor.cancel_window("command")
-        raise CommandNotRunError(f"command not found: {command[0]}", 127) from None
-    except PermissionError:
-        monitor.cancel_window("command")
-        raise CommandNotRunError(f"command not executable: {command[0]}", 126) from None
-    except BaseException:
-        monitor.cancel_window("command")
-        raise
+    started: list[subprocess.Popen[bytes]] = []
+    early: list[int] = []  # signals that came before the child existed
 
     def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
+        if started:
+            started[0].send_signal(signum)
+        else:
+            early.append(signum)
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child handles Ctrl-C
-    previous_term = signal.signal(signal.SIGTERM, forward)
+    # Installed before the child starts (a SIGTERM in between is passed on once it has); the
+    # child starts with the default handlers (exec resets caught signals).
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        code = proc.wait()
+        monitor.begin_window("command")
+        try:
+            try:
+                proc = subprocess.Popen(command)
+            except OSError as e:
+                if e.errno != errno.ENOEXEC:
+                    raise
+                # A script without a ``#!`` line: run it with /bin/sh, as execvp and shells do.
+                path = command[0] if os.sep in command[0] else shutil.which(command[0]) or command[0]
+                proc = subprocess.Popen(["/bin/sh", path, *command[1:]])
+        except FileNotFoundError:
+            monitor.cancel_window("command")
+            raise CommandNotRunError(f"command not found: {command[0]}", 127) from None
+        except PermissionError:
+            monitor.cancel_window("command")
+            raise CommandNotRunError(f"command not executable: {command[0]}", 126) from None
+        except BaseException:
+            monitor.cancel_window("command")
+            raise
+        started.append(proc)
+        for signum in early:
+            proc.send_signal(signum)
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child handles Ctrl-C
+        try:
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGTERM, previous_term)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     m = monitor.end_window("command")
     return code, m
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+"""Signals sent to joules alone that it passes on to the command (Ctrl-C reaches both)."""
 
 
 def shell_code(status: int) -> int:
