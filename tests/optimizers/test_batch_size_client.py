@@ -710,6 +710,34 @@ def test_an_epoch_report_that_failed_is_sent_before_the_end():
     assert server.trials["t1"]["outcome"] == "max_epochs"  # not aborted: it had an epoch
 
 
+def test_a_refused_epoch_report_is_kept_and_sent_again_unchanged():
+    # A proxy's 403 (not retried): the epoch's time and energy are not lost, and the next
+    # epoch does not take its number.
+    server, sim, bso = started_trial()
+    sim.run(2.0, CF)
+    assert bso.on_evaluate(0.1) is False
+    sim.run(2.0, CF)
+    server.failures = [403]
+    with pytest.raises(ServerError, match="HTTP 403"):
+        bso.on_evaluate(0.2)
+    sim.run(2.0, CF)
+    assert bso.on_evaluate(0.3) is False
+    sent = server.bodies("POST", "/epochs")
+    assert [e["epoch"] for e in sent] == [1, 2, 2, 3] and sent[1] == sent[2]
+    trial = server.trials["t1"]
+    assert trial["epochs"] == 3 and trial["time_s"] == pytest.approx(6.0)
+    assert bso.epoch == 3
+
+
+def test_a_request_timeout_from_a_proxy_is_retried():
+    server, sim, bso = started_trial()
+    sim.run(1.0, CF)
+    server.failures = [408]
+    assert bso.on_evaluate(0.1) is False
+    assert [e["epoch"] for e in server.bodies("POST", "/epochs")] == [1, 1]
+    assert server.trials["t1"]["epochs"] == 1
+
+
 def test_when_the_resent_report_says_stop_the_next_epoch_is_not_reported(caplog):
     server, sim, bso = started_trial()
     sim.run(1.0, CF)

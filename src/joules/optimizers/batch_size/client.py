@@ -65,7 +65,9 @@ from joules.servers.batch_size.settings import TOKEN_ENV
 log = logging.getLogger("joules.batch_size")
 
 _WINDOW = "joules.batch_size"
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504}) | frozenset(range(505, 600))
+# Retried: a request timeout (a proxy's), too early, too many requests, and server errors but
+# 501 (not implemented).
+_RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504}) | frozenset(range(505, 600))
 _MAX_RETRY_AFTER_S = 60.0
 _MAX_BACKOFF_S = 30.0  # the longest wait between retries (before jitter)
 M = TypeVar("M", bound=BaseModel)
@@ -544,19 +546,17 @@ class BatchSizeOptimizer:
     def _send_reports(self) -> bool:
         """Send the unsent epoch reports, oldest first; True: the server said to stop.
 
-        A report that fails for a reason that may pass (no answer, 5xx, 429) stays unsent, to be
-        sent again unchanged; one the server refuses (another 4xx) is dropped, as are the
-        reports after one whose answer is to stop.
+        A report that fails stays unsent, to be sent again unchanged before the next one:
+        also one refused with a 4xx (a proxy's 403 passes; the server may even have taken it
+        and only its answer was lost), as a report dropped would lose its epoch's time and
+        energy and give the next epoch its number. A refusal that does not pass (the trial
+        ended on the server) raises again at every epoch; the trial's end drops what is left.
+        The reports after one whose answer is to stop are dropped.
         """
         stop = False
         while self._unsent and not stop:
             report = self._unsent[0]
-            try:
-                answer = self._report(report)
-            except ServerError as e:
-                if not _retryable(e):
-                    self._unsent = []
-                raise
+            answer = self._report(report)
             self._unsent.pop(0)
             self.epochs.append(EpochRecord(report, answer))
             log.info("epoch %d: %.4g s, %.4g J, metric %.6g; cost so far %.4g", report.epoch, report.time_s,
