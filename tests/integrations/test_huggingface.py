@@ -127,6 +127,35 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     assert sim.gpus[0].power_limit_w() == PRESET_W
 
 
+@pytest.mark.parametrize("samples", [144, 128])
+def test_an_epochs_short_last_accumulation_cycle_is_not_measured_as_a_step(tmp_path, samples: int):
+    # gradient_accumulation_steps=4 and 9 batches an epoch (144 samples): cycles of 4, 4 and
+    # 1. Every micro-batch does the same work; a point must be the work of 4 of them, not the
+    # mean over full and short cycles. (128 samples: 8 batches, no short cycle.)
+    k = 4
+    sim, opt, _, trainer = setup(tmp_path, MLP(), epochs=40, args_kw={
+        "gradient_accumulation_steps": k, "eval_steps": 4}, warmup_steps=1, profile_steps=3)
+
+    class MicroBatchWork(transformers.TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            sim.run(WORK_S, CF)  # a micro-batch that only accumulates
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sim.run(WORK_S, CF)  # the one that also steps
+
+    trainer.callback_handler.callbacks = [
+        MicroBatchWork(), *[c for c in trainer.callback_handler.callbacks if not isinstance(c, SimWork)]]
+    trainer.train_dataset = RandomData(samples)
+    trainer.train()
+    assert len(opt.points) >= 3
+    for limit, point in opt.points.items():
+        t = truth(limit)
+        assert point.time_s == pytest.approx(k * t.time_s, rel=1e-3)
+        assert point.energy_j == pytest.approx(k * t.energy_j, rel=1e-3)
+    assert opt.chosen_limit_w == min(opt.points, key=lambda w: truth(w).energy_j)
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
 def test_exception_in_training_restores_the_limit_with_the_optimizer_as_context(tmp_path):
     sim, opt, work, trainer = setup(tmp_path, MLP(fail_after=15))
     with pytest.raises(RuntimeError, match="boom"):

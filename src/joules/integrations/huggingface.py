@@ -13,7 +13,12 @@
 
 What counts as a step: the Trainer's ``on_step_begin`` / ``on_step_end`` bracket one
 *optimizer* step, so with ``gradient_accumulation_steps=k`` one joules step is ``k``
-micro-batches (``warmup_steps`` and ``profile_steps`` count optimizer steps).
+micro-batches (``warmup_steps`` and ``profile_steps`` count optimizer steps). An epoch whose
+batches ``k`` does not divide ends with a shorter cycle, which is not a step like the others:
+the measurement pauses for it (as the Lightning callback does). It is told from the train
+dataloader's length and the cycles counted since the epoch began; where that cannot tell
+(a dataloader without a length, a run resumed in the middle of an epoch), a cycle seen to
+end short (fewer ``on_substep_end`` calls than ``k - 1``) pauses instead, which drops the step.
 
 Evaluation and checkpoint saving are not training steps: when the Trainer is about to
 evaluate or save after a step (``control.should_evaluate`` / ``control.should_save``, set by
@@ -61,18 +66,38 @@ class PowerLimitCallback(TrainerCallback):
             raise TypeError(f"expected a PowerLimitOptimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.pause_on_eval_and_save = pause_on_eval_and_save
+        self._cycles = 0  # optimizer steps begun in this epoch
+        self._substeps = 0  # micro-batches of the current cycle before its last
+        self._partial = False  # the current cycle is the epoch's short last one
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.optimizer.on_train_begin()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._cycles = 0
         self.optimizer.on_epoch_begin()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.optimizer.on_step_begin()
+        k = _accumulation(args)
+        self._substeps = 0
+        batches = _length(kwargs.get("train_dataloader"))
+        self._partial = k > 1 and batches is not None and 0 < batches - self._cycles * k < k
+        self._cycles += 1
+        if self._partial:  # the epoch's last cycle is short: not a step like the others
+            self.optimizer.pause()
+        else:
+            self.optimizer.on_step_begin()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._substeps += 1
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.optimizer.on_step_end()
+        if self._partial:
+            pass
+        elif self._substeps + 1 < _accumulation(args):  # short, though not foreseen: drop it
+            self.optimizer.pause()
+        else:
+            self.optimizer.on_step_end()
         if self.pause_on_eval_and_save and (
             getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
         ):
@@ -83,3 +108,15 @@ class PowerLimitCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.optimizer.on_train_end()
+
+
+def _accumulation(args: Any) -> int:
+    k = getattr(args, "gradient_accumulation_steps", 1)
+    return k if isinstance(k, int) and k > 1 else 1
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # no dataloader, or one without a length (an iterable dataset)
+        return None
