@@ -112,6 +112,36 @@ def test_without_enough_counter_updates_energies_come_from_the_windows(rig) -> N
         assert e == pytest.approx(sum(means[(kind, f)]) / len(means[(kind, f)]))
 
 
+@pytest.mark.parametrize(("gap_s", "attributed"), [(0.0045, True), (0.005, False)])
+def test_work_in_step_with_the_counter_stays_longer_then_warns(rig, caplog, gap_s: float,
+                                                               attributed: bool) -> None:
+    # A forward (30 ms), a backward (60 ms) and two gaps: a cycle of 99 or 100 ms at 1410 MHz,
+    # the A100 counter's period. Every counter interval then holds about the same mix of work,
+    # which the fit cannot split. At 99 ms the mix drifts: staying longer at the clock splits
+    # it. At exactly 100 ms it never does: the windows' energies are kept, with a warning.
+    sim, mon, guard = rig
+    gpu = sim.gpus[0]
+    prof = StageProfiler(mon, stage=0, gpu=0, frequencies=[1410], guard=guard)
+    work = StageWork(0.030, 0.060)
+    with caplog.at_level("WARNING", logger="joules"):
+        while not prof.done:
+            for kind, mb in stage_order(1, 8, 0):
+                prof.on_instruction_begin(kind, mb)
+                run_computation(sim, gpu, work, kind)
+                prof.on_instruction_end(kind, mb)
+                sim.advance(gap_s)
+    assert (prof.attributed == [1410]) is attributed
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(warned) is not attributed
+    if not attributed:
+        assert "do not tell forwards, backwards and gaps apart" in warned[0] and "1410 MHz" in warned[0]
+    else:
+        truth = profile_simulated(Simulator("A100"), [work], frequencies=[1410])
+        for kind in ("forward", "backward"):
+            (got,), (want,) = prof.profile().of(0, kind), truth.of(0, kind)
+            assert got.energy_j == pytest.approx(want.energy_j, rel=0.01)
+
+
 def test_clocks_are_locked_from_the_highest_down_and_warmup_is_left_out(rig) -> None:
     sim, mon, guard = rig
     gpu = sim.gpus[0]

@@ -109,6 +109,9 @@ class Sample:
     energy_j: float
 
 
+
+FIT_PATIENCE = 3.0  # a clock whose energy cannot be attributed yet stays up to this many min_span_s
+
 class StageProfiler:
     """Measures one pipeline stage's forward and backward at each SM clock as training runs.
 
@@ -301,7 +304,13 @@ class StageProfiler:
         span = self._segments[-1][1] - self._segments[0][0]
         if all(n >= self.warmup + self.samples for n in self._seen.values()) and span >= self.min_span_s:
             mhz = int(round(self.frequencies[self._index]))
-            self._attribute(mhz)
+            # A clock whose intervals do not tell the kinds apart yet (work in step with the
+            # counter's period) stays a while longer: a little drift is enough to separate them.
+            if not self._attribute(mhz, final=span >= FIT_PATIENCE * self.min_span_s):
+                self.monitor.begin_window(self._gap)
+                self._gap_open = True
+                return
+            self._segments = []
             self._complete.append(mhz)
             self._index += 1
             self._seen = dict.fromkeys(KINDS, 0)
@@ -312,18 +321,24 @@ class StageProfiler:
         self.monitor.begin_window(self._gap)
         self._gap_open = True
 
-    def _attribute(self, mhz: int) -> None:
+    def _attribute(self, mhz: int, final: bool) -> bool:
         """Split the energy the counter saw at this clock between forwards, backwards and gaps.
 
         Each pair of consecutive counter updates gives the exact energy between them; the time
         each kind of work (and the gaps) took within that interval is known from the windows.
         A least-squares fit of one power per kind to these intervals is free of the edge
         errors of windows shorter than the counter's period.
+
+        Returns:
+            Whether the clock is done: attributed, impossible to attribute (no energy
+            counter), or ``final`` (the windows' energies are kept, with a warning).
         """
-        segments, self._segments = self._segments, []
+        segments = self._segments
         tracker = self.monitor.sampler.tracker(self.gpu.index)
-        if tracker is None or len(segments) < 3:
-            return
+        if tracker is None:
+            return True
+        if len(segments) < 3:
+            return final
         seg = np.asarray(segments, dtype=np.float64)
         updates = tracker.updates(seg[0, 0], seg[-1, 1])
         rows, energies = [], []
@@ -335,16 +350,21 @@ class StageProfiler:
             if x.sum() >= 0.99 * (tb - ta):  # the whole interval is accounted for
                 rows.append(x)
                 energies.append(vb - va)
+        why = None
         if len(rows) < 6:
-            log.debug("stage %d: %d counter intervals at %d MHz; energies from the windows", self.stage,
-                      len(rows), mhz)
-            return
-        a = np.asarray(rows)
-        power, _, rank, _ = np.linalg.lstsq(a, np.asarray(energies), rcond=None)
-        if rank < 3 or not all(math.isfinite(p) and p > 0 for p in power):
-            log.debug("stage %d: no attribution at %d MHz (rank %d, powers %s)", self.stage, mhz, rank, power)
-            return
-        self._powers[mhz] = power
+            why = f"{len(rows)} usable counter intervals"
+        else:
+            power, _, rank, _ = np.linalg.lstsq(np.asarray(rows), np.asarray(energies), rcond=None)
+            if rank < 3 or not all(math.isfinite(p) and p > 0 for p in power):
+                # (every interval holding the same mix of work: in step with the counter's period)
+                why = f"the counter intervals do not tell forwards, backwards and gaps apart (rank {rank})"
+        if why is None:
+            self._powers[mhz] = power
+            return True
+        if final:
+            log.warning("stage %d: %s at %d MHz; its energies come from windows shorter than the "
+                        "counter's period, which can be off by 10 %% or more", self.stage, why, mhz)
+        return final
 
     def _lock(self, mhz: float) -> None:
         if self.dry_run:
