@@ -150,6 +150,10 @@ def test_svg_escapes_the_title(setup) -> None:
     dag, profile, plan = setup
     root = ET.fromstring(to_svg(dag, profile, plan, title="a < b & c"))
     assert next(t.text for t in root.iter(f"{SVG}text") if t.get("class") == "title") == "a < b & c"
+    # Control characters (an ANSI escape pasted in) have no place in XML 1.0: replaced.
+    root = ET.fromstring(to_svg(dag, profile, plan, title="run\x1b[1m 42\x0c"))
+    title = next(t.text for t in root.iter(f"{SVG}text") if t.get("class") == "title")
+    assert title == "run\ufffd[1m 42\ufffd"
 
 
 def test_png_decodes_and_boxes_show_their_frequency_colour(setup) -> None:

@@ -191,6 +191,12 @@ def show(
               file=sys.stderr)
     if out is None:
         out = directory / (PICTURE if time is None else f"schedule-{time * 1e3:g}ms.svg")
+    else:
+        for parent in out.parents:  # the nearest folder above it that exists must be one
+            if parent.exists():
+                if not parent.is_dir():
+                    raise JoulesError(f"--out {out}: {parent} is a file, not a directory")
+                break
     save_picture(out, dag, prof, chosen)
 
     console = Console()

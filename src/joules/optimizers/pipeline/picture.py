@@ -16,6 +16,7 @@ format from the file suffix.
 from __future__ import annotations
 
 import math
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -72,6 +73,8 @@ class Box:
         """How long it runs, s."""
         return self.end_s - self.start_s
 
+
+_XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 def schedule_boxes(dag: PipelineDAG, profile: PipelineProfile, plan: Plan) -> list[Box]:
     """Every computation of ``plan`` with its start and end time, by node id.
@@ -265,6 +268,7 @@ def to_svg(
     """
     boxes, lay = _prepare(dag, profile, plan, width, row_height, frequency_range)
     title = default_title(dag, plan, lay.time_s) if title is None else title
+    title = _XML_INVALID.sub("\ufffd", title)  # characters XML 1.0 cannot hold (control codes)
     out: list[str] = []
     add = out.append
     add(f'<svg xmlns="http://www.w3.org/2000/svg" width="{lay.width}" height="{lay.height}" '
