@@ -320,7 +320,8 @@ def test_auto_does_not_solve_exactly_a_problem_the_unit_has_coarsened() -> None:
 
     prof = synthetic_profile(4, "a100", forward_time_s=0.0005)
     dag = build_dag("1f1b", 4, 8)
-    coarse = solve(dag, prof, 85.0, 0.001, method="exact")
+    with pytest.warns(RuntimeWarning, match=r"method='exact' at a 0.001 s unit: \d+ option\(s\) round"):
+        coarse = solve(dag, prof, 85.0, 0.001, method="exact")
     assert len(coarse.plans) == 1
     auto = solve(dag, prof, 85.0, 0.001)
     assert len(auto.plans) > 5
@@ -328,6 +329,26 @@ def test_auto_does_not_solve_exactly_a_problem_the_unit_has_coarsened() -> None:
     assert auto.meta["method"] == "fast"
     assert auto.fastest.energy_j < 0.9 * auto.max_frequency.energy_j
     assert auto.fastest.time_s == pytest.approx(auto.max_frequency.time_s)
+
+
+def test_fast_plans_the_relaxed_least_energy_plan_at_its_own_time() -> None:
+    # One forward and one backward at 1000 W blocking power. The backward's middle clock is
+    # slower and dearer than the fastest, yet on the effective-energy front; the least-energy
+    # plan (backward at 1000 MHz, 0.0951 s) lies between two planned times, and no single
+    # clock step from the plans made reaches it: the relaxation's least-energy plan, planned
+    # at its own time, does.
+    dag = build_dag("1f1b", 1, 1)
+    prof = PipelineProfile.from_rows([
+        (0, "forward", 1000, 0.050, 5.0),
+        (0, "backward", 1500, 0.030, 6.4), (0, "backward", 1400, 0.040, 7.0),
+        (0, "backward", 1000, 0.0451, 3.1),
+    ])
+    exact = solve(dag, prof, 1000.0, 1e-6, method="exact")
+    for unit in (1e-3, 1e-6):
+        fast = solve(dag, prof, 1000.0, unit, method="fast")
+        assert [(p.frequencies, round(p.energy_j, 6)) for p in fast.plans] == \
+            [(p.frequencies, round(p.energy_j, 6)) for p in exact.plans]
+        assert fast.plans[-1].energy_j == pytest.approx(8.1)
 
 
 @pytest.mark.parametrize("method", ["auto", "exact"])

@@ -56,6 +56,7 @@ import bisect
 import gc
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class Problem:
         options: Per node, the real options kept, fastest first.
         durations: Per node, each kept option's duration in units (strictly increasing).
         costs: Per node, each kept option's effective energy in J (strictly decreasing).
+        merged: Options left out because they round to the unit of a faster option kept
+            (0 when the unit separates every option).
     """
 
     dag: PipelineDAG
@@ -111,6 +114,7 @@ class Problem:
     options: list[list[Option]]
     durations: list[list[int]]
     costs: list[list[float]]
+    merged: int = 0
     preds: list[tuple[int, ...]] = field(init=False, repr=False)
     succs: list[tuple[int, ...]] = field(init=False, repr=False)
 
@@ -124,7 +128,8 @@ class Problem:
 
         Options are first reduced to the time / effective-energy Pareto front, then times are
         rounded down to whole units; of options sharing a unit the fastest is kept (its time is
-        the one the unit describes best).
+        the one the unit describes best), and the others are counted in ``merged``: the
+        problem is then coarser than the profile (its cheaper, slower options are lost).
         """
         _check_unit_time(unit_time_s)
         if not (blocking_power_w >= 0 and math.isfinite(blocking_power_w)):
@@ -132,6 +137,7 @@ class Problem:
         table = option_table(dag, profile)
         cache: dict[tuple[int, str], tuple[list[Option], list[int], list[float]]] = {}
         options, durations, costs = [], [], []
+        merged = 0
         for node, c in enumerate(dag.nodes):
             key = (c.stage, c.kind)
             if key not in cache:
@@ -141,9 +147,10 @@ class Problem:
                 for o in pareto_front(table[node].values(), blocking_power_w):
                     d = math.floor(o.time_s / unit_time_s + 1e-9)
                     eff = o.energy_j - blocking_power_w * o.time_s
-                    if ds and d == ds[-1]:
-                        continue  # same unit: keep the faster, whose time the unit describes best
                     if cs and eff >= cs[-1]:
+                        continue
+                    if ds and d == ds[-1]:  # same unit: keep the faster, whose time the unit describes best
+                        merged += 1
                         continue
                     kept.append(o)
                     ds.append(d)
@@ -153,7 +160,7 @@ class Problem:
             options.append(kept)
             durations.append(ds)
             costs.append(cs)
-        return cls(dag, unit_time_s, blocking_power_w, options, durations, costs)
+        return cls(dag, unit_time_s, blocking_power_w, options, durations, costs, merged)
 
     def combinations(self) -> float:
         """Number of option combinations (as a float; it can be astronomically large)."""
@@ -757,11 +764,16 @@ def _solve(dag: PipelineDAG, profile: PipelineProfile, blocking_power_w: float, 
         method = "fast"
         if fine.combinations() <= EXACT_AUTO_LIMIT:
             p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
-            if p.combinations() == fine.combinations():
+            if p.merged == 0 and p.combinations() == fine.combinations():
                 method = "exact"
     if method == "exact":
         if p is None:
             p = Problem.build(dag, profile, blocking_power_w, unit_time_s)
+            if p.merged:
+                warnings.warn(
+                    f"method='exact' at a {unit_time_s:g} s unit: {p.merged} option(s) round to the unit "
+                    "of a faster one and are left out, so slower plans lose their energy savings; "
+                    "use a smaller unit, or method='auto' or 'fast'", RuntimeWarning, stacklevel=3)
         plans = [p.plan(c) for _, _, c in exact_points(p)]
         # Rounded times can make the fastest real plan tie with a slower, cheaper one, which
         # then drops it: the fastest time is planned on real times too.
@@ -835,6 +847,9 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
             horizon = p.makespan(dur)
             useful = True
             m = min(m, (horizon - t_min) // every)
+            # The relaxed plan of least energy, at its own iteration time (rarely a planned one).
+            states.append(list(dur))
+            deadlines.append(horizon)
     walker = _Walker(p, hulls, dur)
     shorten: list[int] = []
     lengthen: list[int] = []
