@@ -419,6 +419,25 @@ def test_zone_that_cannot_be_read_is_reported(tmp_path: Path) -> None:
         cpu.dram_energy_j()
 
 
+def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    opened: list[int] = []
+
+    def opener(path: str, flags: int) -> int:
+        opened.append(os.open(path, flags))
+        return opened[-1]
+
+    (cpu,), _ = discover(fake, opener=opener)
+    assert cpu.package_energy_j() >= 0.0
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.dup2(directory, opened[0])  # the open file now fails to read (as after a driver unload)
+    finally:
+        os.close(directory)
+    with pytest.raises(NotSupportedError, match=r"CPU 0: RAPL zone package-0 .* cannot be read any more"):
+        cpu.package_energy_j()
+
+
 # -- read cost ----------------------------------------------------------------------------------
 def test_files_are_opened_once_and_read_with_one_pread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

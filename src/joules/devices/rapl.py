@@ -294,7 +294,11 @@ class RaplCPU(CPU):
 
     def _read(self, zone: RaplZone) -> float:
         if zone.readable:
-            return zone.energy_j()
+            try:
+                return zone.energy_j()
+            except (OSError, ValueError) as e:  # readable at discovery, not now (driver unloaded, ...)
+                raise NotSupportedError(f"CPU {self.index}: RAPL zone {zone.name} "
+                                        f"({zone.path / 'energy_uj'}) cannot be read any more: {e}") from e
         if zone.permission_denied:
             p = self._problems[0]
             raise DevicePermissionError(f"{p.message}. Fix: {p.fix}")
