@@ -45,6 +45,26 @@ def test_jsonl_records_after_a_cut_off_line_stay_whole(tmp_path: Path) -> None:
     assert records == [earlier, ours, next_one]
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_writers_that_opened_a_file_ending_in_a_cut_off_line_end_it_once(tmp_path: Path, suffix: str) -> None:
+    # Ranks of a job reopen a log a killed run left cut off; each opened it before any wrote:
+    # the line is ended once, with no blank line after it (a JSONL reader breaks on one).
+    path = tmp_path / f"windows.{suffix}"
+    first = WindowLog(path)
+    first.write(window("earlier", 100.0, 10.0))
+    first.close()
+    with path.open("a") as f:
+        f.write('{"name": "kil' if suffix == "jsonl" else "killed,h,1.")
+    logs = [WindowLog(path) for _ in range(3)]
+    for log in logs:
+        log._open()  # as when they all open it at once
+    for i, log in enumerate(logs):
+        log.write(window(f"rank{i}", 100.0 + i, 10.0 + i))
+        log.close()
+    lines = path.read_text().splitlines()
+    assert "" not in lines and len(lines) == (5 if suffix == "jsonl" else 6)
+
+
 def test_csv_row_after_a_cut_off_line_stays_whole(tmp_path: Path) -> None:
     path = tmp_path / "windows.csv"
     columns = WindowLog.csv_columns([0], [0], [])

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,21 @@ def test_timeline_at_exactly_capacity() -> None:
     clock.advance(0.1)  # one more: the oldest goes
     times, _ = sampler.timeline(0)
     assert list(times.round(6)) == [round(0.1 * i, 6) for i in range(1, 11)]
+
+
+def test_an_export_past_the_ring_says_which_samples_it_left_out(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    gpu = SimGPU(A100, clock)
+    sampler = PowerSampler([gpu], clock=clock, interval_s=0.1, capacity=10).start()
+    clock.advance(0.95)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # all 10 kept: no warning
+        sampler.export(tmp_path / "full.csv")
+    clock.advance(0.5)  # 15 samples taken
+    left_out = r"GPU 0: the first 5 of 15 samples, before t = 0.5 s, are not kept"
+    with pytest.warns(RuntimeWarning, match=left_out):
+        out = sampler.export(tmp_path / "ring.csv")
+    assert len(out.read_text().splitlines()) == 11
 
 
 def test_export_csv_and_jsonl(tmp_path: Path) -> None:

@@ -89,7 +89,6 @@ class WindowLog:
             if self.path.suffix == ".csv":
                 self._csv_columns = self._existing_header()
             self._file = self.path.open("a", newline="")
-            self._cut_line = self._ends_mid_line()
         return self._file
 
     def _ends_mid_line(self) -> bool:
@@ -101,10 +100,14 @@ class WindowLog:
             return f.read(1) != b"\n"
 
     def _end_cut_line(self, f: IO[str]) -> None:
-        """End a cut-off last line, so that the next record starts on a line of its own."""
-        if self._cut_line:
+        """End a cut-off last line, so that the next record starts on a line of its own.
+
+        Looked at just before each record, under the file lock: another writer may have ended
+        it (or cut one off) since this one opened the file.
+        """
+        f.flush()
+        if self._ends_mid_line():
             f.write("\n")
-            self._cut_line = False
 
     @staticmethod
     def _row(m: Measurement) -> dict[str, object]:
@@ -133,9 +136,10 @@ class WindowLog:
             f = self._open()
             try:
                 if self.path.suffix == ".jsonl":
-                    self._end_cut_line(f)
-                    f.write(json.dumps(m.to_dict()) + "\n")
-                    f.flush()
+                    with exclusive(f):
+                        self._end_cut_line(f)
+                        f.write(json.dumps(m.to_dict()) + "\n")
+                        f.flush()
                 else:
                     row = self._row(m)
                     with exclusive(f):  # other processes' writers wait

@@ -20,6 +20,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -545,11 +546,20 @@ class PowerSampler:
             return track.times[order].copy(), track.powers[order].copy()
 
     def export(self, path: str | Path) -> Path:
-        """Write every retained sample to ``path`` (``.csv`` or ``.jsonl``)."""
+        """Write every retained sample to ``path`` (``.csv`` or ``.jsonl``).
+
+        Each GPU keeps its latest ``capacity`` samples (a ring): where more were taken, the
+        earliest are not in the file, and a :class:`RuntimeWarning` says how many and until when.
+        """
         path = Path(path)
         rows = []
         for index in sorted(self._tracks):
             times, powers = self.timeline(index)
+            taken = self._tracks[index].count
+            if taken > self.capacity and times.size:
+                warnings.warn(f"timeline {path}: GPU {index}: the first {taken - self.capacity} of {taken} "
+                              f"samples, before t = {times[0]:.1f} s, are not kept (the latest "
+                              f"{self.capacity} are)", RuntimeWarning, stacklevel=2)
             rows.extend((float(t), f"gpu{index}", float(p)) for t, p in zip(times, powers, strict=True))
         rows.sort()
         if path.suffix == ".jsonl":
