@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,25 @@ def test_keys_renumbered_in_host_then_rank_order():
     assert [d.device_id for d in c.gpu.values()] == [UUID_A, UUID_C, UUID_B, UUID_C]
     assert c.cpu_energy_j == {0: 10.0, 1: 20.0}
     assert c.host == "nB,nA"
+
+
+def test_a_combined_total_combines_again_without_counting_a_device_twice_or_dropping_one():
+    # Two subgroups' totals (as gathered with group=), then the total of those: a GPU and a
+    # host's CPU that both subgroups saw count once, and GPUs whose ids repeat across hosts
+    # (index-derived, as the simulator's) all count.
+    ranks = [
+        meas("n0", {0: (100.0, UUID_A)}, cpu={0: 10.0}),
+        meas("n0", {0: (100.0, UUID_A)}, cpu={0: 10.0}),  # another rank seeing the same GPU
+        meas("n1", {0: (200.0, UUID_C)}, cpu={0: 20.0}),
+        meas("n0", {0: (50.0, UUID_C)}, cpu={0: 10.0}),
+    ]
+    flat = combine(ranks)
+    hierarchical = combine([combine([ranks[0], ranks[2]]), combine([ranks[1], ranks[3]])])
+    assert flat.total_energy_j == hierarchical.total_energy_j == 100 + 200 + 50 + 10 + 20
+    assert sorted(d.energy_j for d in hierarchical.gpu.values()) == [50.0, 100.0, 200.0]
+    assert combine([flat]).total_energy_j == flat.total_energy_j
+    again = Measurement.from_dict(json.loads(json.dumps(flat.to_dict())))  # via a log
+    assert again == flat and combine([again, ranks[0]]).total_energy_j == flat.total_energy_j
 
 
 def test_uncertainty_and_sources_kept_per_device():
@@ -318,9 +338,10 @@ def test_gather_across_real_processes(tmp_path):
     assert len({m.gpu_energy_j[r % 2] for r, m in enumerate(per_rank)}) == WORLD
 
     # Ground truth: all four GPUs, the package and DRAM of each node counted once (first rank).
-    gpu_truth = [per_rank[r].gpu[r % 2] for r in range(WORLD)]
-    cpu_truth = [per_rank[0].cpu[0], per_rank[2].cpu[0]]
-    dram_truth = [per_rank[0].dram[0], per_rank[2].dram[0]]
+    # (each entry of a multi-host total records its host, so that it can be combined again)
+    gpu_truth = [replace(per_rank[r].gpu[r % 2], host=f"node{r // 2}") for r in range(WORLD)]
+    cpu_truth = [replace(per_rank[r].cpu[0], host=f"node{r // 2}") for r in (0, 2)]
+    dram_truth = [replace(per_rank[r].dram[0], host=f"node{r // 2}") for r in (0, 2)]
     assert combined.gpu == dict(enumerate(gpu_truth))
     assert combined.cpu == dict(enumerate(cpu_truth))
     assert combined.dram == dict(enumerate(dram_truth))

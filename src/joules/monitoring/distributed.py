@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from joules.monitoring.measurement import DeviceEnergy, Measurement
@@ -68,7 +69,14 @@ def _merge(
     prefix: str,
     dedup_without_id: bool,
 ) -> _Zone:
-    """Merge one kind of zone; keys renumbered 0..N-1, each ``(host, device)`` kept once."""
+    """Merge one kind of zone; keys renumbered 0..N-1, each ``(host, device)`` kept once.
+
+    An entry's host is its own (``DeviceEnergy.host``, set in a measurement combined from
+    several hosts) or its measurement's. With more than one host in ``groups``, each entry
+    of the result records its host, so that the result can be combined again.
+    """
+    several = len({h for h, _ in groups}) > 1 or any(d.host for _, ms in groups for m in ms
+                                                      for d in getattr(m, attr).values())
     seen: set[tuple[str, str]] = set()
     out: _Zone = {}
     for host, members in groups:
@@ -76,12 +84,13 @@ def _merge(
             zones: _Zone = getattr(m, attr)
             for index in sorted(zones):
                 d = zones[index]
+                on = d.host or host
                 if d.device_id or dedup_without_id:
-                    key = (host, d.device_id or f"{prefix}{index}")
+                    key = (on, d.device_id or f"{prefix}{index}")
                     if key in seen:
                         continue
                     seen.add(key)
-                out[len(out)] = d
+                out[len(out)] = replace(d, host=on) if several and not d.host else d
     return out
 
 

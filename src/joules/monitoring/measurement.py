@@ -31,6 +31,9 @@ class DeviceEnergy:
         device_id: Stable identity of the device measured (GPU UUID, the physical GPU's for
             a MIG instance; ``<host>/cpu<N>``), used to count each device once in totals and
             when combining measurements across processes.
+        host: The host the device is on, in a measurement combined from several hosts
+            (``""`` otherwise: the measurement's own ``host``). With ``device_id`` it says
+            which device this is when such a measurement is combined again.
 
     """
 
@@ -39,6 +42,7 @@ class DeviceEnergy:
     uncertainty_j: float = 0.0
     corrected: bool = False
     device_id: str = ""
+    host: str = ""
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -48,6 +52,7 @@ class DeviceEnergy:
             "uncertainty_j": self.uncertainty_j,
             "corrected": self.corrected,
             "device_id": self.device_id,
+            **({"host": self.host} if self.host else {}),
         }
 
     @classmethod
@@ -59,6 +64,7 @@ class DeviceEnergy:
             uncertainty_j=float(d.get("uncertainty_j", 0.0)),  # type: ignore[arg-type]
             corrected=bool(d.get("corrected", False)),
             device_id=str(d.get("device_id", "")),
+            host=str(d.get("host", "")),
         )
 
 
@@ -68,13 +74,13 @@ def _totals(zones: dict[int, DeviceEnergy]) -> dict[int, float]:
 
 def _distinct(zones: dict[int, DeviceEnergy]) -> list[DeviceEnergy]:
     """Each device once (entries with the same ``device_id``, as MIG instances of one GPU have)."""
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     out = []
     for d in zones.values():
         if d.device_id:
-            if d.device_id in seen:
+            if (d.host, d.device_id) in seen:
                 continue
-            seen.add(d.device_id)
+            seen.add((d.host, d.device_id))
         out.append(d)
     return out
 
