@@ -166,6 +166,11 @@ def test_fast_on_a_realistic_pipeline_saves_energy_at_the_fastest_time() -> None
     assert chosen.time_s <= t
     assert chosen.energy_j == min(p.energy_j for p in frontier.plans if p.time_s <= t)
     assert frontier.plan_for_time(0.0) is frontier.fastest
+    assert frontier.plan_for_time(math.inf) is frontier.plans[-1]
+    for p in frontier.plans[::97]:  # exactly at a plan's time: that plan
+        assert frontier.plan_for_time(p.time_s) is p
+    with pytest.raises(ValueError, match="NaN"):
+        frontier.plan_for_time(math.nan)
 
 
 def test_fast_method_is_as_good_as_a_sweep_of_uniform_frequencies() -> None:

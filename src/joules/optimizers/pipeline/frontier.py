@@ -9,6 +9,7 @@ uses less energy, fastest first.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Sequence
@@ -177,14 +178,15 @@ class Frontier:
 
         When every pipeline must wait for a straggler taking ``time_s`` per iteration, this is
         the plan to run. Below the fastest time, the fastest plan.
+
+        Raises:
+            ValueError: ``time_s`` is not a number (NaN).
         """
-        best = self.plans[0]
-        for p in self.plans:
-            if p.time_s <= time_s * (1 + 1e-12):
-                best = p
-            else:
-                break
-        return best
+        if math.isnan(time_s):
+            raise ValueError("plan_for_time needs an iteration time, got NaN")
+        # Plans go fastest first: the last one no slower than time_s (a binary search).
+        i = bisect.bisect_right([p.time_s for p in self.plans], time_s * (1 + 1e-12))
+        return self.plans[max(0, i - 1)]
 
     def energy_at(self, time_s: float) -> float:
         """Energy of :meth:`plan_for_time`, J."""
