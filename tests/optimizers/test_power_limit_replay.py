@@ -107,6 +107,11 @@ def test_profile_errors(tmp_path: Path) -> None:
             load_profile_csv(bad)
     bad.write_bytes("window_name,elapsed_time,gpu0_energy\nw_300,1.0,5\n".encode("utf-8-sig"))
     assert [p.limit_w for p in load_profile_csv(bad).points] == [300.0]
+    bad.write_text("window_name,elapsed_time,gpu0_energy\nw_300,2.0,700,99\n")  # a field too many
+    with pytest.raises(ProfileError, match=r"line 2: more fields than the header's 3"):
+        load_profile_csv(bad)
+    bad.write_text("window_name, elapsed_time, gpu0_energy\nw_300, 2.0, 700\n")  # as spreadsheets write
+    assert load_profile_csv(bad).at(300) == LimitPoint(300, 2.0, 700.0)
     with pytest.raises(ProfileError, match="has no 123 W limit"):
         synthetic().at(123)
 
@@ -158,6 +163,9 @@ def test_cli_simulate_power_limit_json(tmp_path: Path, capsys: pytest.CaptureFix
     assert out["chosen_w"] == out["best_w"] == 175 and len(out["profiled_limits_w"]) == 9
     assert main(["simulate", "power-limit", "--profile", str(f), "--selector", "fast"]) == 2
     assert "bad selector 'fast'" in capsys.readouterr().err
+    assert main(["simulate", "power-limit", "--profile", str(f), "--workload", "a/b",
+                 "--batch-size", "8"]) == 2
+    assert "--workload and --batch-size select a profile in a trace" in capsys.readouterr().err
 
 
 @needs_data

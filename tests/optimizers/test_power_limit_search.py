@@ -133,6 +133,9 @@ def test_gpus_give_power_per_gpu() -> None:
     assert ad.chosen_w == 150 and ad.profiled_limits_w == [300, 275, 250, 225, 200, 175, 150, 125]
     # By default the count comes from the selector when it has one.
     assert Adaptive(two.limits_w, MinCost(0.5, gpus=2)).gpus == 2
+    for gpus in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="gpus must be a positive integer"):
+            MinCost(0.5, gpus=gpus)  # type: ignore[arg-type]
     assert Adaptive(two.limits_w, MinEnergy()).gpus == 1
 
 

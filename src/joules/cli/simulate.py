@@ -44,12 +44,18 @@ def power_limit(
     if not profile.is_file():
         raise JoulesError(f"profile file not found: {profile}")
     with profile.open(newline="") as f:
-        is_trace = "power_limit" in next(csv.reader(f), [])
+        is_trace = "power_limit" in [c.strip() for c in next(csv.reader(f), [])]
     if is_trace:
         if workload is None or batch_size is None:
             raise JoulesError("a trace needs --workload DATASET/NETWORK and --batch-size N")
         prof = load_power_trace(profile, workload, batch_size, optimizer)
     else:
+        given = [o for o, v in (("--workload", workload), ("--batch-size", batch_size),
+                                ("--optimizer", optimizer)) if v is not None]
+        if given:
+            verb = "select" if len(given) > 1 else "selects"
+            raise JoulesError(f"{' and '.join(given)} {verb} a profile in a trace; {profile} is a recorded "
+                              "profile (window_name, elapsed_time, gpuN_energy), which holds one")
         prof = load_profile_csv(profile)
     sel = parse_selector(selector, prof.gpus)
     strategy = Adaptive(prof.limits_w, sel, prof.gpus) if search == "adaptive" else Sweep(prof.limits_w, sel)

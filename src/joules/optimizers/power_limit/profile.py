@@ -80,12 +80,20 @@ def _require(path: str | Path) -> Path:
 
 
 def _rows(path: Path, needed: Iterable[str]) -> list[tuple[int, dict[str, str]]]:
-    """``(line in the file, row)`` of each row."""
+    """``(line in the file, row)`` of each row; names and values stripped of spaces around them."""
     with csv_rows(path, ProfileError) as reader:
-        missing = [c for c in needed if c not in (reader.fieldnames or [])]
+        names = [n.strip() for n in reader.fieldnames or []]
+        missing = [c for c in needed if c not in names]
         if missing:
             raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
-        return [(reader.line_num, row) for row in reader]
+        rows = []
+        for row in reader:
+            if row.get(None):  # type: ignore[call-overload]
+                raise ProfileError(f"{path}, line {reader.line_num}: more fields than the header's "
+                                   f"{len(names)} ({', '.join(names)})")
+            rows.append((reader.line_num, {k.strip(): (v or "").strip() for k, v in row.items()
+                                           if k is not None}))
+        return rows
 
 
 def _float(path: Path, line: int, row: dict[str, str], column: str) -> float:

@@ -59,6 +59,8 @@ class MinCost(Selector):
     def __init__(self, eta: float, gpus: int = 1) -> None:
         if not 0.0 <= eta <= 1.0:
             raise ValueError(f"eta must be within [0, 1], got {eta:g}")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
         self.eta = eta
         self.gpus = gpus
         self.name = f"cost:{eta:g}"
