@@ -62,6 +62,15 @@ def test_timers_fire_in_time_order_across_timers() -> None:
     assert at_06 == ["a", "b"]
 
 
+def test_a_period_too_short_to_move_the_clock_and_nan_are_refused() -> None:
+    clock = VirtualClock(start=1.0)
+    with pytest.raises(ValueError, match="too short to move the clock"):
+        clock.every(1e-17, lambda t: None)  # 1.0 + 1e-17 == 1.0: it would fire forever
+    with pytest.raises(ValueError, match="NaN"):
+        clock.advance_to(float("nan"))
+    assert clock.now() == 1.0
+
+
 def test_cancel_stops_a_timer_and_is_idempotent() -> None:
     clock = VirtualClock()
     calls: list[float] = []

@@ -128,6 +128,8 @@ class VirtualClock:
     def every(self, period: float, callback: Callable[[float], None], name: str = "") -> Timer:
         if period <= 0:
             raise ValueError(f"timer period must be positive, got {period}")
+        if self._now + period == self._now:  # it would fire at one time forever
+            raise ValueError(f"timer period {period} is too short to move the clock from {self._now} s")
         timer = _VirtualTimer(self, period, callback)
         with self._lock:
             # Like the thread timer, the first call happens at once.
@@ -147,6 +149,8 @@ class VirtualClock:
         with self._lock:
             if t < self._now:
                 raise ValueError(f"a clock cannot go backwards (from {self._now} to {t})")
+            if t != t:  # NaN
+                raise ValueError("a clock cannot move to NaN")
             while self._queue and self._queue[0][0] <= t:
                 due, _, timer = heapq.heappop(self._queue)
                 if timer.cancelled:
@@ -154,6 +158,9 @@ class VirtualClock:
                 self._now = max(self._now, due)
                 timer.callback(self._now)
                 if not timer.cancelled:
+                    if due + timer.period == due:  # the clock has grown past the period's resolution
+                        raise ValueError(f"timer period {timer.period} is too short to move the clock "
+                                         f"from {due} s")
                     heapq.heappush(self._queue, (due + timer.period, next(self._seq), timer))
             self._now = max(self._now, t)  # a timer's callback may have advanced the clock further
             return self._now

@@ -347,6 +347,10 @@ def test_memory_clock_lock() -> None:
     assert gpu.memory_clock_mhz() == 1000.0
     gpu.reset_memory_clock()
     assert gpu.memory_clock_mhz() == 1215.0
+    for lo, hi in ((5000, -3), (800, 99999), (float("nan"), 1000), (1000, 800)):
+        with pytest.raises(ValueError, match="memory clock range"):
+            gpu.lock_memory_clock(lo, hi)
+    assert gpu.memory_clock_mhz() == 1215.0
 
 
 def test_temperature_follows_power_and_describe() -> None:
@@ -380,6 +384,12 @@ def test_periodic_energy_is_exact_over_cycles() -> None:
     assert gpu.true_energy_j() == pytest.approx(per_cycle + 40.0, rel=1e-12)
     clock.advance_to(50.0)
     assert gpu.true_energy_j() == pytest.approx(100 * per_cycle, rel=1e-9)
+
+
+@pytest.mark.parametrize("duration", [0.0, -1.0, float("nan"), float("inf")])
+def test_periodic_phases_must_be_positive_and_finite(duration: float) -> None:
+    with pytest.raises(ValueError, match="positive and finite"):
+        Periodic([(duration, 0.5), (1.0, 0.1)])
 
 
 def test_periodic_utilization_and_pieces() -> None:

@@ -50,6 +50,12 @@ def test_other_models_and_bad_files_are_ignored(tmp_path: Path) -> None:
     assert sim.gpus[0].power_limit_w() == 400.0
     sim.gpus[0].set_power_limit_w(200.0)  # replaces the broken file
     assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 200.0
+    uuid = sim.gpus[0].uuid
+    for lock in ([None, None], ["a", "b"], [True, 1410]):  # a malformed entry is ignored
+        state.write_text(json.dumps({"gpus": {"0": {"uuid": uuid, "power_limit_w": True,
+                                                    "sm_clock_lock_mhz": lock}}}))
+        gpu = Simulator("A100", state_file=state).gpus[0]
+        assert gpu.power_limit_w() == 400.0 and gpu.sm_clock_locked() is None
 
 
 def test_discover_passes_joules_sim_state(tmp_path: Path) -> None:

@@ -357,6 +357,10 @@ class SimGPU(GPU):
 
     def lock_memory_clock(self, min_mhz: float, max_mhz: float) -> None:
         self._check_memory_lock()
+        top = self.model.mem_mhz
+        if not (0 < min_mhz <= max_mhz <= top):  # (NaN fails every comparison)
+            raise ValueError(f"GPU {self.index} ({self.name}): memory clock range [{min_mhz:g}, {max_mhz:g}] "
+                             f"MHz is outside (0, {top:g}] MHz")
         self._check_control("memory clocks")
         self._mem_lock = (float(min_mhz), float(max_mhz))
 

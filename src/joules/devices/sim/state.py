@@ -86,8 +86,10 @@ class SimStateFile:
             if entry is not None and entry.get("uuid") == gpu.uuid:
                 limit = entry.get("power_limit_w")
                 lock = entry.get("sm_clock_lock_mhz")
+                valid_lock = (isinstance(lock, list) and len(lock) == 2
+                              and all(isinstance(x, int | float) and not isinstance(x, bool) for x in lock))
                 gpu.load_control_state(
-                    float(limit) if isinstance(limit, int | float) else None,
-                    (float(lock[0]), float(lock[1])) if isinstance(lock, list) and len(lock) == 2 else None,
+                    float(limit) if isinstance(limit, int | float) and not isinstance(limit, bool) else None,
+                    (float(lock[0]), float(lock[1])) if valid_lock else None,  # a malformed entry is ignored
                 )
             gpu.on_change = self.save

@@ -55,8 +55,8 @@ class Periodic(Workload):
         if not phases:
             raise ValueError("a periodic workload needs at least one phase")
         self.phases = [(float(d), _check_util(u)) for d, u in phases]
-        if any(d <= 0 for d, _ in self.phases):
-            raise ValueError("phase durations must be positive")
+        if any(not (0 < d < math.inf) for d, _ in self.phases):  # (NaN too)
+            raise ValueError("phase durations must be positive and finite")
         self.period = sum(d for d, _ in self.phases)
         self._starts = [0.0]
         for d, _ in self.phases[:-1]:
