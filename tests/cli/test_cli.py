@@ -227,6 +227,18 @@ def test_measure_passes_on_an_exit_code_of_130_without_dying_of_sigint() -> None
     assert json.loads(r.stdout.strip().splitlines()[-1])["exit_code"] == 130
 
 
+@pytest.mark.parametrize("args", [[], ["--json"]])
+def test_info_whose_reader_goes_early_ends_with_0(args: list[str]) -> None:
+    # `joules info | head -1` under `set -o pipefail`: a closed stdout is not a failure.
+    p = subprocess.Popen([JOULES, "info", "--sim", "A100x64,V100x64,H100x64", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline()
+    p.stdout.close()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert b"Traceback" not in err
+
+
 def test_measure_warns_when_no_device_is_found() -> None:
     r = joules("measure", "--sim", "nocpu", "--json", "--", "true")
     assert r.returncode == 0

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 
+import rich.console
 import typer
 from typer._click.exceptions import NoArgsIsHelpError
 
@@ -63,6 +64,22 @@ def print_out(text: str) -> bool:
         return False
 
 
+class StdoutGone(Exception):
+    """Stdout's reader has gone (``joules info | head -1``): nothing more to write there."""
+
+
+class Console(rich.console.Console):
+    """A ``rich`` console whose closed stdout ends the command quietly, exit code 0.
+
+    ``rich``'s own handling exits with 1, which a ``set -o pipefail`` script takes for a failure
+    (``joules measure`` and ``joules power`` already keep their exit code there).
+    """
+
+    def on_broken_pipe(self) -> None:
+        silence_stdout()
+        raise StdoutGone
+
+
 def silence_stdout() -> None:
     """Point stdout at ``/dev/null`` once its reader has gone.
 
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         result = app(args=argv, prog_name="joules", standalone_mode=False)
     except typer.Exit as e:
         return e.exit_code
+    except StdoutGone:
+        return 0
     except typer.Abort:
         print("joules: aborted", file=sys.stderr)
         return 130

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from joules.cli import Console
 from joules.devices.discovery import SIM_ENV
 from joules.devices.restore import RestoreGuard
 from joules.devices.sim import Constant, Periodic, Simulator

@@ -7,10 +7,9 @@ import statistics
 import time
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from joules.cli import SIM_HELP, use_sim
+from joules.cli import SIM_HELP, Console, print_out, use_sim
 from joules.devices.base import GPU, DeviceSet
 from joules.devices.discovery import discover
 
@@ -108,6 +107,6 @@ def register(app: typer.Typer) -> None:
         use_sim(sim)
         devices = discover()
         if as_json:
-            print(json.dumps(info_dict(devices), indent=2, default=str))
+            print_out(json.dumps(info_dict(devices), indent=2, default=str))  # (a closed stdout: quietly)
         else:
             render(devices, Console())

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from joules.cli import check_duration
+from joules.cli import Console, check_duration
 from joules.errors import JoulesError
 
 if TYPE_CHECKING:

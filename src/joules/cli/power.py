@@ -8,11 +8,10 @@ import time
 from contextlib import nullcontext
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from joules.cli import SIM_HELP, check_duration, print_out, silence_stdout, use_sim
+from joules.cli import SIM_HELP, Console, check_duration, print_out, silence_stdout, use_sim
 from joules.cli.measure import (
     check_timeline_path,
     export_timeline,

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from joules.cli import Console
 from joules.errors import JoulesError
 
 simulate_app = typer.Typer(help="Replay optimizers on recorded measurements.", no_args_is_help=True)
