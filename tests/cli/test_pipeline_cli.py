@@ -305,7 +305,7 @@ def test_show_errors(planned: tuple[Path, Frontier], tmp_path: Path,
     assert ".svg or .png" in error_line(capsys)
     (tmp_path / "afile").write_text("")
     assert main(["pipeline", "show", str(out), "--out", str(tmp_path / "afile" / "x.svg")]) == 2
-    assert f"afile{os.sep}x.svg: {tmp_path / 'afile'} is a file, not a directory" in error_line(capsys)
+    assert f"afile{os.sep}x.svg: {tmp_path / 'afile'} is a file; give a directory" in error_line(capsys)
     assert main(["pipeline", "show", str(out), "--time", "0"]) == 2
     assert "--time" in error_line(capsys)
     other = tmp_path / "other.csv"

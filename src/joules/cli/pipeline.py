@@ -45,9 +45,13 @@ def _pct(value: float, reference: float) -> str:
     return f"{100 * (value / reference - 1):+.1f} %" if reference else "n/a"
 
 
-def _check_out_directory(out: Path) -> None:
-    """Fail before solving when ``--out``, or the nearest folder that exists above it, is a file."""
-    for p in (out, *out.parents):
+def _check_out_directory(out: Path, folder: Path | None = None) -> None:
+    """Fail early when an ``--out`` folder is a file.
+
+    ``folder`` (default: ``out`` itself), or the nearest folder above it that exists.
+    """
+    folder = out if folder is None else folder
+    for p in (folder, *folder.parents):
         if p.exists():
             if not p.is_dir():
                 raise JoulesError(f"--out {out} is a file; give a directory" if p == out
@@ -191,11 +195,7 @@ def show(
     if out is None:
         out = directory / (PICTURE if time is None else f"schedule-{time * 1e3:g}ms.svg")
     else:
-        for parent in out.parents:  # the nearest folder above it that exists must be one
-            if parent.exists():
-                if not parent.is_dir():
-                    raise JoulesError(f"--out {out}: {parent} is a file, not a directory")
-                break
+        _check_out_directory(out, out.parent)  # the picture's folder
     save_picture(out, dag, prof, chosen)
 
     console = Console()

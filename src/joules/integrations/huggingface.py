@@ -92,12 +92,11 @@ class PowerLimitCallback(TrainerCallback):
         self._substeps += 1
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._partial:
-            pass
-        elif self._substeps + 1 < _accumulation(args):  # short, though not foreseen: drop it
-            self.optimizer.pause()
-        else:
-            self.optimizer.on_step_end()
+        if not self._partial:  # (a short cycle foreseen paused at its begin)
+            if self._substeps + 1 < _accumulation(args):  # short, though not foreseen: drop it
+                self.optimizer.pause()
+            else:
+                self.optimizer.on_step_end()
         if self.pause_on_eval_and_save and (
             getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
         ):

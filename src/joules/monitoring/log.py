@@ -47,7 +47,6 @@ class WindowLog:
         self._file: IO[str] | None = None
         renew_locks_after_fork(self, WindowLog._after_fork_in_child)
         self._closed = False
-        self._cut_line = False
         self._csv_columns: list[str] | None = None
         if columns is not None and self.path.suffix == ".csv":
             existing = self._existing_header()

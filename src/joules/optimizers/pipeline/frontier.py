@@ -184,8 +184,8 @@ class Frontier:
         """
         if math.isnan(time_s):
             raise ValueError("plan_for_time needs an iteration time, got NaN")
-        # Plans go fastest first: the last one no slower than time_s (a binary search).
-        i = bisect.bisect_right([p.time_s for p in self.plans], time_s * (1 + 1e-12))
+        # Plans go fastest first: the last one no slower than time_s.
+        i = bisect.bisect_right(self.plans, time_s * (1 + 1e-12), key=lambda p: p.time_s)
         return self.plans[max(0, i - 1)]
 
     def energy_at(self, time_s: float) -> float:

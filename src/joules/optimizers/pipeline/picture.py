@@ -76,6 +76,7 @@ class Box:
 
 _XML_INVALID = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
+
 def schedule_boxes(dag: PipelineDAG, profile: PipelineProfile, plan: Plan) -> list[Box]:
     """Every computation of ``plan`` with its start and end time, by node id.
 

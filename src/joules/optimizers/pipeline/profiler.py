@@ -109,8 +109,8 @@ class Sample:
     energy_j: float
 
 
-
 FIT_PATIENCE = 3.0  # a clock whose energy cannot be attributed yet stays up to this many min_span_s
+
 
 class StageProfiler:
     """Measures one pipeline stage's forward and backward at each SM clock as training runs.
