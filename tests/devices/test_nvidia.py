@@ -380,7 +380,8 @@ def test_mig_instances_of_one_gpu_are_restored_as_that_gpu(sim, tmp_path):
         nvml.nvmlInit()
         parent = nvml.nvmlDeviceGetHandleByIndex(0)
         migs = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, k)) for k in range(2)]
-        (a, b), _ = gpus_of({"CUDA_VISIBLE_DEVICES": ",".join(migs)})
+        # One process sees one MIG device; two processes (one per instance) share the GPU.
+        ((a,), _), ((b,), _) = (gpus_of({"CUDA_VISIBLE_DEVICES": m}) for m in migs)
         assert a.control_uuid == b.control_uuid == nvml.nvmlDeviceGetUUID(parent) != a.uuid
         one = RestoreGuard([a, b], journal_dir=tmp_path / "one", handle_signals=False)
         one.set_power_limit_w(a, 250)
@@ -427,10 +428,9 @@ def test_mig_device_is_measured_through_its_parent(sim):
             nvml.nvmlDeviceGetTotalEnergyConsumption(migs[0])
 
         gpus, problems = gpus_of({"CUDA_VISIBLE_DEVICES": f"{mig_uuids[1]},{mig_uuids[2][:16]}"})
-        assert [(g.index, g.physical_index, g.mig_uuid) for g in gpus] == [
-            (0, 0, mig_uuids[1]),
-            (1, 0, mig_uuids[2]),
-        ]
+        # A process enumerates only the first MIG device listed (as CUDA does).
+        assert [(g.index, g.physical_index, g.mig_uuid) for g in gpus] == [(0, 0, mig_uuids[1])]
+        assert any("only one MIG device" in p.message and mig_uuids[2][:16] in p.message for p in problems)
         g = gpus[0]
         assert g.is_mig and g.uuid == mig_uuids[1] and "MIG 2g.10gb" in g.name
         sim.advance(2.02)

@@ -101,7 +101,10 @@ def test_kind_of_list_is_set_by_first_entry():
 
 def test_mig_uuids_and_prefixes():
     assert visible_targets(M21, DEVICES) == [VisibleTarget(2, M21)]
-    assert visible_targets(f"{M20},{M21}", DEVICES) == [VisibleTarget(2, M20), VisibleTarget(2, M21)]
+    # A process enumerates one MIG device only: the first listed.
+    vis = resolve_visible_devices(f"{M21},{M20},{U0}", DEVICES)
+    assert vis.targets == (VisibleTarget(2, M21),)
+    assert vis.ignored == (M20, U0) and "only one MIG device" in vis.note
     assert visible_targets("MIG-1a2b3", DEVICES) == [VisibleTarget(2, M20)]
     with pytest.raises(DeviceNotFoundError, match="ambiguous"):
         visible_targets("MIG-1a2b", DEVICES)
@@ -131,3 +134,14 @@ def test_no_devices_present():
     assert visible_targets("0", []) == []
     with pytest.raises(DeviceNotFoundError, match="none"):
         visible_targets("GPU-8f3a", [])
+
+
+def test_ordinals_count_only_the_gpus_present():
+    # NVML counted GPU 0 but cannot open it (no permission in a cgroup): CUDA does not see it
+    # either, so ordinals number the GPUs present, as when the variable is unset.
+    present = [(1, U1, []), (2, U2, [])]
+    assert phys(None, present) == [1, 2]
+    assert phys("0,1", present) == [1, 2]
+    assert phys("1", present) == [2]
+    vis = resolve_visible_devices("2", present)
+    assert vis.targets == () and "only 2 GPU(s) are present" in vis.note

@@ -11,6 +11,9 @@ from joules.devices.base import DeviceSet, Problem
 SIM_ENV = "JOULES_SIM"
 SIM_STATE_ENV = "JOULES_SIM_STATE"
 
+_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "ROCR_VISIBLE_DEVICES",
+                    "HIP_VISIBLE_DEVICES")
+
 _cache: dict[str, DeviceSet] = {}
 _cache_lock = threading.Lock()
 
@@ -51,7 +54,10 @@ def discover(
     env = os.environ if env is None else env
     spec = sim if sim is not None else env.get(SIM_ENV) or None
     state = env.get(SIM_STATE_ENV) or None
-    key = f"sim:{spec}:{state or ''}" if spec else f"real:{rapl_root}"
+    # The variables that choose the visible GPUs are part of the key: another env, or a
+    # changed os.environ, may see other GPUs.
+    visible = "|".join(f"{v}={env.get(v)}" for v in _VISIBILITY_VARS)
+    key = f"sim:{spec}:{state or ''}" if spec else f"real:{rapl_root}:{visible}"
     with _cache_lock:
         if not refresh and key in _cache:
             return _cache[key]
@@ -71,18 +77,21 @@ def _discover_real(env: Mapping[str, str], rapl_root: str) -> DeviceSet:
     from joules.devices.rapl import discover_rapl
 
     problems: list[Problem] = []
-    gpus, p = discover_nvml(env)
-    problems += p
+    gpus, nvml_problems = discover_nvml(env)
     backend = "nvml" if gpus else ""
-    if not gpus:
+    if gpus:
+        problems += nvml_problems
+    else:
         from joules.devices.amd import discover_amd
 
         gpus, p = discover_amd(env)
         if gpus:
+            # NVML's problems (no NVIDIA driver on an AMD machine) are beside the point.
             backend = "amdsmi"
             problems += p
         else:
-            # No AMD GPU either: report the AMD problem only when the library is present.
+            # No GPU at all: NVML's problems, and the AMD one only when its library is present.
+            problems += nvml_problems
             problems += [x for x in p if "not installed" not in x.message]
     cpus, p = discover_rapl(rapl_root)
     problems += p

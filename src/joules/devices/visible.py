@@ -13,9 +13,13 @@ is invalid (a negative or out-of-range ordinal, an empty entry, an entry of anot
 only the devices before it are visible, so ``0,1,-1,2`` shows GPUs 0 and 1. A device named
 twice makes no device visible. An unset variable shows every GPU; an empty one shows none.
 
-Integer ordinals are matched to NVML indices. CUDA numbers GPUs fastest first unless
-``CUDA_DEVICE_ORDER=PCI_BUS_ID``; on machines with different GPU models the two orders can
-differ, which :func:`joules.devices.nvidia.discover_nvml` reports.
+A process enumerates at most one MIG device: with several MIG entries, only the first is
+visible.
+
+Integer ordinals are positions among the GPUs present (those NVML can open, by NVML index;
+a GPU the process has no permission for is not counted, by CUDA either). CUDA numbers GPUs
+fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; on machines with different GPU models
+the two orders can differ, which :func:`joules.devices.nvidia.discover_nvml` reports.
 """
 
 from __future__ import annotations
@@ -214,11 +218,15 @@ def resolve_visible_devices(
 
     first = entries[0].strip()
     mode = "GPU-" if first.startswith("GPU-") else "MIG-" if first.startswith("MIG-") else ""
-    present = {idx for idx, _, _ in ordered}
     targets: list[VisibleTarget] = []
     for pos, raw in enumerate(entries):
         entry = raw.strip()
         try:
+            if mode == "MIG-" and targets:
+                raise _Stop(
+                    "CUDA enumerates only one MIG device per process, the first listed: entries "
+                    f"from {pos} ({entry!r}) on are not visible to it"
+                )
             if mode:
                 if not entry.startswith(mode):
                     raise _Stop(
@@ -233,12 +241,14 @@ def resolve_visible_devices(
                         f"CUDA_VISIBLE_DEVICES entry {pos} ({entry!r}) is not a GPU ordinal; "
                         "CUDA stops there"
                     )
-                if ordinal not in present:
+                if ordinal >= len(ordered):
                     raise _Stop(
                         f"CUDA_VISIBLE_DEVICES entry {pos} ({entry!r}) names GPU {ordinal}, but only "
                         f"{len(ordered)} GPU(s) are present; CUDA stops there"
                     )
-                target = VisibleTarget(ordinal)
+                # CUDA numbers the GPUs it can open; one that cannot be opened (no permission in
+                # a cgroup) is not counted, as when the variable is unset.
+                target = VisibleTarget(ordered[ordinal][0])
         except _Stop as stop:
             return Visibility(tuple(targets), tuple(e.strip() for e in entries[pos:]), str(stop))
         if target in targets:
