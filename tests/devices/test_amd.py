@@ -91,6 +91,35 @@ def test_energy_counter_in_joules(legacy: bool) -> None:
     assert e1 - e0 == pytest.approx(7500.0, abs=0.75 + 2 * COUNTER_RESOLUTION_UJ * 1e-6)
 
 
+def test_a_32_bit_counter_is_extended_across_its_wraps() -> None:
+    # RDNA firmware counts energy in 32 bits: it wraps every 2**32 ticks of 2**-16 J (65.5 kJ).
+    from joules.devices.base import DeviceSet
+    from joules.monitoring import EnergyMonitor
+
+    clock = VirtualClock()
+    (sim,) = sims(clock, 1, workload=Constant(1.0))  # 750 W: a wrap every 87 s
+    with installed([sim], counter_bits=32) as smi:
+        (gpu,), problems = discover_amd({}, clock=clock)
+        assert problems == [] and gpu.has_energy_counter()
+        e0, t0 = gpu.energy_j(), sim.true_energy_j()
+        for _ in range(5):
+            clock.advance(60.0)
+            assert smi.amdsmi_get_energy_count(smi.handles[0])["energy_accumulator"] < 2**32
+            assert gpu.energy_j() - e0 == pytest.approx(sim.true_energy_j() - t0, abs=1.0)
+        # Windows across wraps stay on the counter (a wrap is not a reset).
+        monitor = EnergyMonitor(devices=DeviceSet(gpus=[gpu], cpus=[], clock=clock))
+        try:
+            for i in range(2):
+                t0 = sim.true_energy_j()
+                monitor.begin_window(f"w{i}")
+                clock.advance(100.0)
+                d = monitor.end_window(f"w{i}").gpu[0]
+                assert d.source == "counter"
+                assert d.energy_j == pytest.approx(sim.true_energy_j() - t0, abs=1.0)
+        finally:
+            monitor.close()
+
+
 def test_power_fields_by_generation() -> None:
     clock = VirtualClock()
     mi300 = SimGPU(MI300X, clock, index=0, workload=Constant(1.0))
@@ -199,9 +228,18 @@ def test_power_limits_in_watts() -> None:
     assert gpu.power_limit_w() == 750.0
     assert gpu.default_power_limit_w() == 750.0
     assert gpu.power_limit_range_w() == (200.0, 750.0)
-    gpu.set_power_limit_w(450.5)
-    assert sim.power_limit_w() == 450.5  # 450,500,000 µW went to amdsmi_set_power_cap
-    assert gpu.power_limit_w() == 450.5
+    gpu.set_power_limit_w(450)
+    assert sim.power_limit_w() == 450.0  # 450,000,000 µW went to amdsmi_set_power_cap
+    assert gpu.power_limit_w() == 450.0
+    # The driver keeps whole watts (it would floor 450.6 W to 450): joules rounds.
+    with installed([sim]) as smi:
+        smi.amdsmi_init()
+        smi.amdsmi_set_power_cap(smi.handles[0], 0, 450_600_000)
+        assert sim.power_limit_w() == 450.0
+    gpu.set_power_limit_w(450.6)
+    assert gpu.power_limit_w() == 451.0
+    gpu.set_power_limit_w(200.4)
+    assert gpu.power_limit_w() == 200.0
     with pytest.raises(ValueError, match=r"outside the allowed range \[200, 750\] W"):
         gpu.set_power_limit_w(800)
     gpu.reset_power_limit()
@@ -429,9 +467,25 @@ def test_second_die_of_an_mi250x_is_told_apart(monkeypatch: pytest.MonkeyPatch) 
         assert b.secondary_die and not b.has_energy_counter() and b.describe()["secondary_die"]
         assert [p.device for p in problems] == ["GPU 1"]
         assert "second die (GCD)" in problems[0].message and "update ROCm" not in problems[0].fix
+        # The package's one cap is read and set through the first die (the kernel refuses it
+        # on the second), so the second die controls the first one's device.
+        assert b.control_uuid == a.uuid == a.control_uuid != b.uuid
+        assert b.power_limit_range_w() == a.power_limit_range_w() == (200.0, 560.0)
+        b.set_power_limit_w(300)
+        assert gcds[0].power_limit_w() == b.power_limit_w() == 300.0 and gcds[1].power_limit_w() == 560.0
+        a.set_power_limit_w(350)
+        assert b.power_limit_w() == 350.0
+        # Also in a process that sees only the second die (one rank per die).
+        (alone,), _ = discover_amd({"ROCR_VISIBLE_DEVICES": "1"}, clock=clock)
+        assert amd_gpus([alone])[0].secondary_die and alone.control_uuid == a.uuid
+        alone.set_power_limit_w(400)
+        assert gcds[0].power_limit_w() == 400.0
+        alone.reset_power_limit()
+        assert gcds[0].power_limit_w() == 560.0
+        # Without its first die known, a second die refuses (it has no cap of its own).
+        lone = AMDGPU(smi, second, 0, 1, clock=clock, counter_check_s=None)
         with pytest.raises(NotSupportedError, match="set it on the package's first die"):
-            b.set_power_limit_w(300)
-        a.set_power_limit_w(300)
+            lone.set_power_limit_w(300)
 
 
 def test_a_zero_counter_and_caps_not_available_are_not_a_second_die(monkeypatch: pytest.MonkeyPatch) -> None:

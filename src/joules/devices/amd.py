@@ -27,6 +27,7 @@ reading; a GPU that fails reports ``has_energy_counter() == False`` and a
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from joules.clock import Clock, RealClock
-from joules.devices.base import GPU, Problem
+from joules.devices.base import GPU, Problem, fork_safe_lock
 from joules.errors import DevicePermissionError, JoulesError, NotSupportedError
 
 #: amdsmi status codes (``amdsmi_status_t``) that map to joules errors.
@@ -45,6 +46,12 @@ AMDSMI_STATUS_NO_PERM = 10
 DEFAULT_COUNTER_CHECK_S = 0.2
 
 _INVALID_UINTS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}
+#: ``counter_resolution`` as rocm_smi reports it for every ASIC (a hard-coded 15.3 µJ) and the
+#: real tick the firmware counts in, 2**-16 J (15.259 µJ, the kernel's and amdsmi.h's figure):
+#: trusting 15.3 reads 0.27 % high.
+_ROCM_RESOLUTION_UJ = 15.3
+_TICK_UJ = 1e6 / 65536
+_WRAP_32 = 1 << 32
 _HEX = re.compile(r"^[0-9a-f]+$")
 
 
@@ -120,6 +127,14 @@ class AMDGPU(GPU):
             self.uuid = f"AMD-GPU-{self.physical_index}"
         self.counter_check: dict[str, object] | None = None
         self._counter_ok = True
+        # The die whose power cap this one sets: itself, or an MI250X's first die (see
+        # attach_first_die); and the 32-bit wrap of an RDNA energy counter, once seen.
+        self._cap_handle = handle
+        self._control_uuid = self.uuid
+        self._energy_lock = fork_safe_lock(self, "_energy_lock")
+        self._ticks_last: int | None = None
+        self._ticks_base = 0
+        self._ticks_64bit = False
         self.secondary_die = self._is_secondary_die()
         if self.secondary_die:
             self._counter_ok = False
@@ -129,8 +144,8 @@ class AMDGPU(GPU):
                     f"{self.name}: the second die (GCD) of its package: amdsmi reports the package's "
                     "power, energy and power cap, both dies included, on the first die; this one "
                     "reads 0 W and has no power cap of its own",
-                    "measure and cap the package through its first die (the GPU before this one "
-                    "in amdsmi's list), whose figures cover both dies",
+                    "measure the package through its first die (the GPU before this one in "
+                    "amdsmi's list), whose figures cover both dies; its power cap is set there",
                 )
             )
             return
@@ -166,13 +181,34 @@ class AMDGPU(GPU):
         ticks = info.get("energy_accumulator", info.get("power"))
         return _number(ticks) == 0 and all(_number(caps.get(k)) == 0 for k in ("power_cap", "max_power_cap"))
 
+    def attach_first_die(self, handle: Any, uuid: str) -> None:
+        """Set this second die's power cap through its package's first die (``handle``).
+
+        An MI250X package has one power cap, read and set on its first die; the kernel
+        refuses it on the second. With the first die attached, this die's power-limit calls
+        go there and :attr:`control_uuid` names it, so two processes (one per die) that set
+        the cap share one device, as MIG instances share a GPU.
+        """
+        if not self.secondary_die:
+            raise ValueError(f"GPU {self.index} ({self.name}) is not the second die of a package")
+        self._cap_handle = handle
+        self._control_uuid = uuid
+
+    @property
+    def control_uuid(self) -> str:
+        """This GPU's UUID, or for an MI250X's second die its first die's (the package cap)."""
+        return self._control_uuid
+
     # -- amdsmi calls -----------------------------------------------------------------------
     def _call(self, fn_name: str, what: str, *args: Any) -> Any:
+        return self._call_on(self._handle, fn_name, what, *args)
+
+    def _call_on(self, handle: Any, fn_name: str, what: str, *args: Any) -> Any:
         fn = getattr(self._smi, fn_name, None)
         if fn is None:
             raise NotSupportedError(f"GPU {self.index}: this amdsmi version has no {fn_name} ({what})")
         try:
-            return fn(self._handle, *args)
+            return fn(handle, *args)
         except self._exc as e:
             raise self._translate(e, fn_name, what) from e
 
@@ -198,12 +234,32 @@ class AMDGPU(GPU):
 
     # -- energy and power -------------------------------------------------------------------
     def _energy_raw_j(self) -> float:
-        info = self._call("amdsmi_get_energy_count", "the energy counter")
-        ticks = info.get("energy_accumulator", info.get("power"))
-        resolution = _number(info.get("counter_resolution"))
-        if _number(ticks) is None or resolution is None:
-            raise NotSupportedError(f"GPU {self.index} ({self.name}): energy counter reads {info!r}")
-        return float(ticks) * resolution * 1e-6
+        # Read and extend together: a later reading fed first would look like a wrap.
+        with self._energy_lock:
+            info = self._call("amdsmi_get_energy_count", "the energy counter")
+            ticks = info.get("energy_accumulator", info.get("power"))
+            resolution = _number(info.get("counter_resolution"))
+            if _number(ticks) is None or resolution is None:
+                raise NotSupportedError(f"GPU {self.index} ({self.name}): energy counter reads {info!r}")
+            if abs(resolution - _ROCM_RESOLUTION_UJ) < 1e-3:
+                resolution = _TICK_UJ
+            return self._extend(int(ticks)) * resolution * 1e-6
+
+    def _extend(self, ticks: int) -> int:
+        """The tick count, with the wraps of a 32-bit counter added.
+
+        RDNA GPUs' firmware accumulates energy in 32 bits, which the driver passes on as is:
+        it wraps every 2**32 ticks (65.5 kJ, minutes at full power). A counter that was
+        never seen past 32 bits and goes back is taken to have wrapped; one seen past them
+        is 64-bit, and never wraps in practice. Read at least once per wrap period (the
+        sampler reads counters far more often) for no wrap to be missed.
+        """
+        if ticks >= _WRAP_32:
+            self._ticks_64bit = True
+        elif not self._ticks_64bit and self._ticks_last is not None and ticks < self._ticks_last:
+            self._ticks_base += _WRAP_32
+        self._ticks_last = ticks
+        return self._ticks_base + ticks
 
     def has_energy_counter(self) -> bool:
         return self._counter_ok
@@ -254,7 +310,7 @@ class AMDGPU(GPU):
 
     # -- power limit ------------------------------------------------------------------------
     def _cap_info(self) -> dict[str, Any]:
-        return dict(self._call("amdsmi_get_power_cap_info", "the power cap"))
+        return dict(self._call_on(self._cap_handle, "amdsmi_get_power_cap_info", "the power cap"))
 
     def _cap(self, *keys: str) -> float:
         info = self._cap_info()
@@ -274,13 +330,21 @@ class AMDGPU(GPU):
         return (self._cap("min_power_cap"), self._cap("max_power_cap"))
 
     def set_power_limit_w(self, watts: float) -> None:
-        if self.secondary_die:
+        """Set the power cap, rounded to the nearest whole watt (the driver drops fractions).
+
+        Raises:
+            ValueError: ``watts`` is out of range.
+            NotSupportedError: A second die whose first die is not known.
+        """
+        if self.secondary_die and self._cap_handle is self._handle:
             raise NotSupportedError(
                 f"GPU {self.index} ({self.name}) is the second die of its package, which has one "
                 "power cap: set it on the package's first die"
             )
         self.check_power_limit(watts)
-        self._call("amdsmi_set_power_cap", "setting the power cap", 0, int(round(watts * 1e6)))
+        lo, hi = self.power_limit_range_w()
+        whole = min(max(math.floor(watts + 0.5), math.ceil(lo - 1e-9)), math.floor(hi + 1e-9))
+        self._call_on(self._cap_handle, "amdsmi_set_power_cap", "setting the power cap", 0, whole * 1_000_000)
 
     # -- clocks -----------------------------------------------------------------------------
     def _clock_info(self, *kind: str) -> dict[str, Any]:
@@ -680,8 +744,21 @@ def discover_amd(
             gpus.append(AMDGPU(smi, handles[p], index, p, clock=clock, counter_check_s=None))
         except JoulesError as e:
             problems.append(Problem(f"GPU {index}", f"AMD GPU {p} could not be opened: {e}", ""))
+    for g in gpus:
+        # A second die sets its package's cap on the first die, the GPU before it in
+        # amdsmi's list (which lists every GPU, whatever the runtime's selection).
+        p = g.physical_index
+        if g.secondary_die and p > 0 and "MI250" in _name_of(smi, handles[p - 1]).upper():
+            g.attach_first_die(handles[p - 1], uuids[p - 1])
     if counter_check_s is not None:
         check_energy_counters(gpus, clock, counter_check_s)
     for g in gpus:
         problems.extend(g.problems())
     return list(gpus), problems
+
+
+def _name_of(smi: ModuleType, handle: Any) -> str:
+    try:
+        return str(smi.amdsmi_get_gpu_asic_info(handle)["market_name"])
+    except Exception:  # noqa: BLE001 - an unreadable name is just not an MI250X's
+        return ""

@@ -1,7 +1,8 @@
 """A fake ``amdsmi`` module backed by simulated GPUs, for testing :mod:`joules.devices.amd`.
 
 It implements the calls joules makes, with amdsmi's names, argument order, units and quirks:
-energy as ``energy_accumulator`` ticks of ``counter_resolution`` (15.3 µJ, a float32), power
+energy as ``energy_accumulator`` ticks of 2**-16 J reported with rocm_smi's hard-coded
+``counter_resolution`` (15.3 µJ, a float32), power
 in whole watts with ``"N/A"`` for the field a generation does not report, power caps in µW,
 clocks in MHz (supported frequencies in Hz, last one dropped as some amdsmi versions do),
 errors as ``AmdSmiLibraryException`` with ``err_code``.
@@ -32,8 +33,10 @@ AMDSMI_STATUS_INVAL = 1
 AMDSMI_STATUS_NOT_SUPPORTED = 2
 AMDSMI_STATUS_NO_PERM = 10
 
-#: ``counter_resolution`` as amdsmi returns it (15.3 µJ stored in a C float).
+#: ``counter_resolution`` as amdsmi returns it (15.3 µJ stored in a C float): rocm_smi's
+#: hard-coded figure, while the firmware counts in 2**-16 J (15.259 µJ), as the fake does.
 COUNTER_RESOLUTION_UJ = 15.300000190734863
+TICKS_PER_J = 65536
 
 MI300X = GPUModel(
     name="AMD Instinct MI300X", arch="cdna3", idle_w=140.0,
@@ -170,6 +173,7 @@ def make_module(
     legacy_energy_key: bool = False,
     fail_init: bool = False,
     enumeration_info: bool = False,
+    counter_bits: int = 64,
 ) -> types.ModuleType:
     """Build a fake ``amdsmi`` module whose GPUs are ``sim_gpus`` (physical order).
 
@@ -186,6 +190,8 @@ def make_module(
         fail_init: Make ``amdsmi_init`` fail as it does without a driver.
         enumeration_info: Provide ``amdsmi_get_gpu_enumeration_info`` (newer ROCm), whose
             ``hip_uuid`` is each handle's ``hip_uuid``.
+        counter_bits: Width of the energy counter: 32 wraps every 2**32 ticks (65.5 kJ), as
+            RDNA GPUs' counters do.
 
     Returns:
         A module object to put in ``sys.modules["amdsmi"]``.
@@ -248,7 +254,7 @@ def make_module(
     def amdsmi_get_energy_count(handle: Any) -> dict[str, Any]:
         h = _check(handle)
         h.calls += 1
-        ticks = int(h.sim.energy_j() * 1e6 / COUNTER_RESOLUTION_UJ)
+        ticks = int(h.sim.energy_j() * TICKS_PER_J)
         broken = broken_gpus is None or h.physical in broken_gpus
         if not broken:
             pass
@@ -258,6 +264,8 @@ def make_module(
             ticks = h.frozen_ticks
         elif mode == "erratic":
             ticks += h.calls * 1_000_000_000
+        if counter_bits < 64:
+            ticks %= 1 << counter_bits
         key = "power" if legacy_energy_key else "energy_accumulator"
         return {key: ticks, "counter_resolution": COUNTER_RESOLUTION_UJ,
                 "timestamp": int(h.sim.clock.now() * 1e9)}
@@ -286,7 +294,7 @@ def make_module(
     def amdsmi_set_power_cap(handle: Any, sensor_ind: int, cap: int) -> None:
         h = _check(handle)
         try:
-            h.sim.set_power_limit_w(cap / 1e6)
+            h.sim.set_power_limit_w(float(cap // 1_000_000))  # the driver keeps whole watts
         except ValueError:
             raise AmdSmiLibraryException(AMDSMI_STATUS_INVAL) from None
         except DevicePermissionError:
