@@ -14,6 +14,7 @@ from joules.errors import DevicePermissionError
 from joules.monitoring.monitor import EnergyMonitor
 from joules.optimizers.power_limit import LimitPoint, MinCost, MinEnergy, Sweep
 from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer, State
+from joules.optimizers.power_limit.profile import ProfileError
 from joules.optimizers.power_limit.store import ProfileStore
 
 WORK_S = 0.2
@@ -147,6 +148,22 @@ def test_selectors_time_and_slowdown():
     assert c.selector is custom
 
 
+def test_workload_names_that_slug_alike_keep_their_own_files(tmp_path):
+    store = ProfileStore(tmp_path / "profiles")
+    a, b = store.path("A100", 1, "resnet50/b256"), store.path("A100", 1, "resnet50 b256")
+    assert a != b and a.parent == b.parent and "resnet50_b256" in a.name
+    store.save("A100", 1, "resnet50/b256", [LimitPoint(300.0, 1.0, 200.0)])
+    assert store.load("A100", 1, "resnet50 b256") is None
+    # A file saved before names had the key's hash is still found, if it is this key's.
+    legacy = a.parent / "A100-x1-resnet50_b256.json"
+    a.rename(legacy)
+    assert store.load("A100", 1, "resnet50/b256") == [LimitPoint(300.0, 1.0, 200.0)]
+    assert store.load("A100", 1, "resnet50 b256") is None
+    b.write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="not a profile"):
+        store.load("A100", 1, "resnet50 b256")
+
+
 def test_saved_profile_is_reused_by_the_next_job(tmp_path):
     store = ProfileStore(tmp_path / "profiles")
     sim, _, first = make("A100", selector="energy", workload="resnet/b256", store=store)
@@ -214,9 +231,10 @@ def test_bad_arguments_are_named():
         PowerLimitOptimizer(monitor, search="random", handle_signals=False)
     with pytest.raises(ValueError, match="not measured by the monitor"):
         PowerLimitOptimizer(monitor, gpu_indices=[3], handle_signals=False)
-    opt = PowerLimitOptimizer(monitor, selector="cost:2", handle_signals=False)
-    with pytest.raises(Exception, match="eta"):
-        opt.on_train_begin()
+    for bad, why in (("cost:2", "eta"), ("cost:nan", "eta"), ("slowdown:0.5", "slowdown"),
+                     ("energie", "expected time, energy"), (0.5, "Selector or a string")):
+        with pytest.raises(ValueError, match=why):
+            PowerLimitOptimizer(monitor, selector=bad, handle_signals=False)
     nogpu = EnergyMonitor(devices=Simulator("XEON8480").devices())
     with pytest.raises(ValueError, match="no GPU"):
         PowerLimitOptimizer(nogpu)

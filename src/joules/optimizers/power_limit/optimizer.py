@@ -177,6 +177,13 @@ class PowerLimitOptimizer:
             self.gpus = [by_index[i] for i in gpu_indices]
         if not self.gpus:
             raise ValueError("the monitor measures no GPU: there is no power limit to optimize")
+        if isinstance(selector, str):
+            try:
+                parse_selector(selector)  # checked now; built for the job's GPU count later
+            except JoulesError as e:
+                raise ValueError(str(e)) from None
+        elif not isinstance(selector, Selector):
+            raise ValueError(f"selector must be a Selector or a string, got {type(selector).__name__}")
         self._selector_spec = selector
         self._search_spec = search
         self.warmup_steps = warmup_steps

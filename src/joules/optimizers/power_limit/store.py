@@ -8,6 +8,7 @@ previous file intact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -50,7 +51,10 @@ class ProfileStore:
         """The file that holds the profile for this key."""
         if not workload.strip():
             raise ValueError("a saved profile needs a non-empty workload name")
-        return self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}.json"
+        # The slugs can make two keys alike ("a/b" and "a b"): a hash of the exact key keeps
+        # their files apart.
+        digest = hashlib.sha256(json.dumps([gpu_model, gpus, workload]).encode()).hexdigest()[:8]
+        return self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}-{digest}.json"
 
     def load(self, gpu_model: str, gpus: int, workload: str) -> list[LimitPoint] | None:
         """The saved points for this key, or ``None`` when there are none.
@@ -59,6 +63,17 @@ class ProfileStore:
             ProfileError: The file exists but is not a profile of this key.
         """
         path = self.path(gpu_model, gpus, workload)
+        if not path.exists():
+            # Saved before file names had the key's hash: used only if it is this key's.
+            legacy = self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}.json"
+            try:
+                data = json.loads(legacy.read_text())
+            except (OSError, ValueError):
+                return None
+            if not isinstance(data, dict) or (data.get("gpu_model"), data.get("gpus"),
+                                              data.get("workload")) != (gpu_model, gpus, workload):
+                return None
+            path = legacy
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -66,6 +81,9 @@ class ProfileStore:
         except (OSError, ValueError) as e:
             raise ProfileError(
                 f"saved profile {path} is unreadable ({e}); delete it to profile again") from None
+        if not isinstance(data, dict):
+            raise ProfileError(
+                f"saved profile {path} is not a profile (a JSON object); delete it to profile again")
         key = (data.get("gpu_model"), data.get("gpus"), data.get("workload"))
         if key != (gpu_model, gpus, workload):
             raise ProfileError(f"saved profile {path} is for {key}, not {(gpu_model, gpus, workload)}")
