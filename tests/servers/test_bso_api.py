@@ -340,3 +340,12 @@ def test_request_id_makes_trial_creation_idempotent(bso_server: Served) -> None:
         assert c.post(f"/jobs/{job}/trials", json={"request_id": ""}).status_code == 422
     view = db_view(bso_server.db, job)
     assert view.state["started"] == 2  # the policy handed out two trials, not three
+
+
+def test_a_conflicting_spec_names_only_the_fields_that_differ() -> None:
+    from joules.servers.batch_size.schemas import JobCreate
+    from joules.servers.batch_size.service import _spec_difference
+
+    old = JobCreate.model_validate(spec("j", knobs={"lr": 0.1, "optimizer": "adam"}))
+    new = JobCreate.model_validate(spec("j", knobs={"optimizer": "adam", "lr": 0.1}, max_epochs=7))
+    assert "(differs in: max_epochs)" in _spec_difference("j", old, new)

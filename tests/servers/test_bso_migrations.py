@@ -90,6 +90,8 @@ def test_concurrent_upgrades_are_safe(bso_backend: str, bso_databases: Callable[
     ("mysql://u@h/db", "unsupported database 'mysql'"),
     ("sqlite://", "in-memory SQLite"),
     ("sqlite:///:memory:", "in-memory SQLite"),
+    ("sqlite:///file::memory:?uri=true", "URI filenames"),
+    ("sqlite:///file:/tmp/x.db?uri=true", "URI filenames"),
     ("postgresql://u@h:5432", "names no database"),
     ("postgresql+asyncpg://u@h/db", "unsupported PostgreSQL driver"),
     ("::::", "bad database URL"),

@@ -191,9 +191,13 @@ def normalize_url(database_url: str) -> URL:
             raise JoulesError(f"unsupported SQLite driver {url.get_driver_name()!r}: use sqlite:///PATH")
         if not url.database or url.database == ":memory:" or url.query.get("mode") == "memory":
             raise JoulesError("in-memory SQLite cannot be shared by server processes: use sqlite:///PATH")
-        if not url.database.startswith("file:"):
-            # One file whatever the directory a server (or a worker) starts in; ~ is the home.
-            url = url.set(database=str(Path(url.database).expanduser().resolve()))
+        if url.database.startswith("file:"):
+            # A URI filename: "file::memory:" would be in-memory again, and its path is not
+            # the name of the file (the migration lock sits beside that).
+            raise JoulesError(f"SQLite URI filenames ({url.database!r}) are not supported by the "
+                              "server: use sqlite:///PATH")
+        # One file whatever the directory a server (or a worker) starts in; ~ is the home.
+        url = url.set(database=str(Path(url.database).expanduser().resolve()))
     else:
         raise JoulesError(f"unsupported database {backend!r} in {safe_url(url)}: use sqlite:///PATH "
                           "or postgresql://USER@HOST:PORT/DATABASE")

@@ -597,6 +597,9 @@ def _fields(error: ValidationError) -> str:
 
 def _spec_difference(name: str, old: JobCreate, new: JobCreate) -> str:
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
-    fields = [k for k in a if a[k] != b.get(k) or json.dumps(a[k]) != json.dumps(b.get(k))]
+    def canon(v: object) -> str:
+        return json.dumps(v, sort_keys=True)
+
+    fields = [k for k in a if a[k] != b.get(k) or canon(a[k]) != canon(b.get(k))]
     return (f"job {name!r} is already registered with another spec (differs in: {', '.join(fields)}); "
             "register under a new name")
