@@ -18,8 +18,11 @@ simulator) and the rest of the epoch runs at the chosen limit. The first epoch t
 costs the chosen limit's epoch plus ``1/L`` of the profiling overhead that :func:`replay`
 reports (the extra energy and time of the profiled limits over the chosen one).
 
-**Early stopping.** A trial ends after the first epoch whose running cost exceeds the
-policy's ``stop_cost`` (as the server decides on an epoch report), and after ``max_epochs``.
+**Early stopping.** A trial ends after an epoch when one more epoch at the chosen limit
+would take its running cost over the policy's ``stop_cost`` (``stop_before=False``: after
+the first epoch whose running cost is over it), and after ``max_epochs``. The server takes
+the epoch just reported as the next one's cost, which after a first epoch that profiled
+limits is dearer than the chosen limit's epoch: it can stop such a trial an epoch earlier.
 
 **Baselines** (expected values, over the seed runs): the default configuration (default
 batch size at the highest power limit) and the best configuration in hindsight (the batch
