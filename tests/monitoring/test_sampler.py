@@ -3,14 +3,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import threading
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 
-from joules.clock import VirtualClock
-from joules.devices.sim import Constant, Periodic, SimCPU, SimGPU
+from joules.clock import RealClock, VirtualClock
+from joules.devices.sim import Constant, Periodic, SimCPU, SimGPU, Simulator
 from joules.devices.sim.catalog import cpu_model, gpu_model
 from joules.monitoring.sampler import CounterTracker, PowerSampler
 
@@ -439,3 +440,50 @@ def test_tracker_remembers_updates_long_enough_for_long_windows() -> None:
     t_next, value = after
     assert value == old_value + 1.0
     assert abs(t_next - 1.02) < 0.003
+
+
+def test_the_learned_phase_never_drops_the_true_one() -> None:
+    # An update seen in an interval that meets the learned arc in two pieces may lie in
+    # either: narrowing to the larger one lost the true phase (20 ms counters, uneven polls).
+    import random
+
+    rng = random.Random(1)
+    lost = 0
+    for _ in range(300):
+        period = rng.choice([0.02, 0.1])
+        step = max(0.0107, 0.29 * period)
+        phase = rng.uniform(0, period)
+        tracker = CounterTracker(period)
+        t = rng.uniform(0, 0.01)
+        while t < 3.0:
+            tracker.observe(t, float(math.floor((t - phase) / period)))
+            start, length = tracker._arc_start, tracker._arc_len
+            if length < period and (phase - start) % period > length + 1e-9:
+                lost += 1
+                break
+            t += step * rng.uniform(0.9, 1.6)
+    assert lost == 0
+
+
+def test_starting_from_two_threads_at_once_starts_one_sampler_thread() -> None:
+    def sampler_threads() -> int:
+        return sum(t.name == "joules-sampler" for t in threading.enumerate())
+
+    before = sampler_threads()
+    for _ in range(10):
+        sampler = PowerSampler(Simulator.realtime("A100,nocpu").gpus, clock=RealClock())
+        barrier = threading.Barrier(2)
+        def go(b: threading.Barrier = barrier, s: PowerSampler = sampler) -> None:
+            b.wait()
+            s.start()
+
+        starters = [threading.Thread(target=go) for _ in range(2)]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        sampler.stop()
+    deadline = time.monotonic() + 5.0
+    while sampler_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sampler_threads() == before

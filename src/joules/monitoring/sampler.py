@@ -192,17 +192,20 @@ class CounterTracker:
         if self._arc_len >= period:
             self._arc_start, self._arc_len = start, length
             return
-        best_start, best_len = 0.0, -1.0
+        pieces = []
         for shift in (-period, 0.0, period):
             s2 = start + shift
             lo = max(self._arc_start, s2)
             hi = min(self._arc_start + self._arc_len, s2 + length)
-            if hi - lo > best_len:
-                best_start, best_len = lo, hi - lo
-        if best_len < 0:  # contradiction: the counter is not as periodic as assumed
+            if hi >= lo:
+                pieces.append((lo, hi))
+        if not pieces:  # contradiction: the counter is not as periodic as assumed
             self._arc_start, self._arc_len = start, length
         else:
-            self._arc_start, self._arc_len = best_start % period, max(best_len, 1e-6)
+            # Where the interval meets the arc in two pieces, the phase may be in either: keep
+            # the part of the arc that spans both (never one piece, which could drop it).
+            lo, hi = min(p[0] for p in pieces), max(p[1] for p in pieces)
+            self._arc_start, self._arc_len = lo % period, max(hi - lo, 1e-6)
 
     def _estimate(self, lo: float, hi: float) -> tuple[float, float]:
         """Narrow an update known to lie in ``(lo, hi]`` with the learned phase."""
@@ -346,21 +349,24 @@ class PowerSampler:
                                      / 4.0 / interval_s))
         self._ticks = 0
         self._lock = fork_safe_lock(self)  # a forked child gets a free one
+        self._life_lock = fork_safe_lock(self, "_life_lock")
         self._timer: Timer | None = None
         self.errors = 0
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> PowerSampler:
         """Start sampling (idempotent); in a forked child, start the thread the parent's sampler had."""
-        if not self.running:
-            self._timer = self.clock.every(self.interval_s, self._tick, name="joules-sampler")
+        with self._life_lock:  # two threads starting at once start one thread
+            if not self.running:
+                self._timer = self.clock.every(self.interval_s, self._tick, name="joules-sampler")
         return self
 
     def stop(self) -> None:
         """Stop sampling (idempotent)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._life_lock:
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     @property
     def running(self) -> bool:
