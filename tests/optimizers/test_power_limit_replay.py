@@ -116,7 +116,7 @@ def test_profile_errors(tmp_path: Path) -> None:
         synthetic().at(123)
 
 
-def test_profile_csv_adds_gpus_and_repeated_windows(tmp_path: Path) -> None:
+def test_profile_csv_adds_gpus_and_averages_repeated_windows(tmp_path: Path) -> None:
     f = tmp_path / "A100+toy+gpu0-1.csv"
     f.write_text(
         "start_time,window_name,elapsed_time,gpu0_energy,gpu1_energy\n"
@@ -126,7 +126,9 @@ def test_profile_csv_adds_gpus_and_repeated_windows(tmp_path: Path) -> None:
     )
     profile = load_profile_csv(f)
     assert profile.gpus == 2 and profile.limits_w == [400, 300]
-    assert profile.at(300) == LimitPoint(300, 5.0, 2380.0)
+    # Each window is the same number of steps: a repeat is averaged, not added.
+    assert profile.at(300) == LimitPoint(300, 2.5, 1190.0)
+    assert profile.at(400) == LimitPoint(400, 2.0, 1350.0)
 
 
 @needs_data

@@ -114,7 +114,8 @@ def load_profile_csv(path: str | Path) -> Profile:
     """Load a recorded power-limit profile: one row per profiling window.
 
     Columns: ``window_name`` ending in ``_<limit in W>``, ``elapsed_time`` (s) and one
-    ``gpuN_energy`` (J) per GPU. Windows repeated at one limit are added up.
+    ``gpuN_energy`` (J) per GPU, each window the same number of steps. Windows repeated at
+    one limit are averaged (a point is one window's time and energy, as at every limit).
     """
     path = _require(path)
     rows = _rows(path, ("window_name", "elapsed_time"))
@@ -123,7 +124,7 @@ def load_profile_csv(path: str | Path) -> Profile:
     gpu_cols = [c for c in rows[0][1] if c.startswith("gpu") and c.endswith("_energy")]
     if not gpu_cols:
         raise ProfileError(f"{path}: no gpuN_energy column")
-    totals: dict[float, list[float]] = {}
+    totals: dict[float, list[float]] = {}  # time, energy, windows
     for line, row in rows:
         name = row["window_name"]
         try:
@@ -134,10 +135,11 @@ def load_profile_csv(path: str | Path) -> Profile:
             raise ProfileError(f"{path}, line {line}: window name {name!r} ends in {limit:g} W, "
                                f"not a positive power limit")
         energy = sum(_float(path, line, row, c) for c in gpu_cols)
-        t = totals.setdefault(limit, [0.0, 0.0])
+        t = totals.setdefault(limit, [0.0, 0.0, 0])
         t[0] += _float(path, line, row, "elapsed_time")
         t[1] += energy
-    points = tuple(LimitPoint(limit, t, e) for limit, (t, e) in totals.items())
+        t[2] += 1
+    points = tuple(LimitPoint(limit, t / n, e / n) for limit, (t, e, n) in totals.items())
     return Profile(path.stem, points, gpus=len(gpu_cols))
 
 
