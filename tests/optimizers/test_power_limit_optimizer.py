@@ -360,6 +360,32 @@ def test_a_pause_within_a_step_drops_only_what_it_cuts():
     opt.on_train_end()
 
 
+def test_after_a_pause_within_a_step_the_host_work_between_steps_still_counts():
+    # Windows of one step each (after a cut step) must cover what windows of many steps
+    # do: the host work between steps too, or later limits look faster than earlier ones.
+    host_s = 0.1
+    sim, monitor, opt = make("A100", selector="time", search="sweep", warmup_steps=3, profile_steps=20)
+    opt.on_train_begin()
+    n = 0
+    while opt.state is not State.DONE and n < 2000:
+        opt.on_step_begin()
+        sim.set_workload(Constant(1.0), cpus=False)
+        sim.run(WORK_S / 2, CF)
+        if n == 30:
+            opt.pause()  # a checkpoint between the micro-batches of one cycle
+        sim.run(WORK_S / 2, CF)
+        opt.on_step_end()
+        sim.set_workload(Constant(0.05), cpus=False)
+        sim.advance(host_s)  # data loading
+        n += 1
+    assert opt.state is State.DONE and len(opt.points) >= 5
+    for limit, p in opt.points.items():
+        # 19 or 20 of every 20 steps' host work is in the windows
+        assert truth("A100", limit).time_s + 0.9 * host_s < p.time_s < truth("A100", limit).time_s + host_s
+    assert opt.chosen_limit_w == 400.0
+    opt.on_train_end()
+
+
 def test_profiling_that_can_measure_nothing_gives_up_and_keeps_the_admins_limit(caplog):
     # One step per epoch and no on_step_begin: a window opens at a step's end and the epoch
     # ends right after it, so no step is ever measured.

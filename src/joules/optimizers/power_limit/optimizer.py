@@ -354,8 +354,9 @@ class PowerLimitOptimizer:
             if acc.steps + acc.segment_steps >= self.profile_steps:
                 self._close()
                 self._complete()
-            elif self._split_steps:  # pauses may come within steps: keep what is measured
-                self._close()
+            elif self._split_steps:  # pauses may come within steps: keep what is measured,
+                self._close()  # and go on from this step's end, so that the host work
+                self._open()  # between steps is measured as before the split
 
     def on_epoch_end(self) -> None:
         """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
@@ -374,7 +375,8 @@ class PowerLimitOptimizer:
         of the whole epoch, whatever the pauses within it. A pause between
         :meth:`on_step_begin` and :meth:`on_step_end` (within a gradient-accumulation cycle)
         drops what was measured since the previous pause, which ends part-way through a step;
-        from then on each step is measured in a window of its own, so that such a pause drops
+        from then on each step is measured in a window of its own (from the previous step's
+        end, so that the host work between steps still counts), so that such a pause drops
         only the step it cuts. When three epochs in a row
         measure no step (epochs of one step without :meth:`on_step_begin`), profiling is
         given up and the limits the GPUs had are put back for the rest of the run. Nothing
