@@ -156,6 +156,37 @@ def test_an_epochs_short_last_accumulation_cycle_is_not_measured_as_a_step(tmp_p
     assert sim.gpus[0].power_limit_w() == PRESET_W
 
 
+def test_an_epoch_of_fewer_batches_than_a_cycle_is_one_step_and_is_measured(tmp_path):
+    # gradient_accumulation_steps=16 over epochs of 11 batches: the Trainer steps once per
+    # epoch, with all 11. Every cycle is that short: each is a step, and profiling goes on.
+    sim, opt, work, trainer = setup(tmp_path, MLP(), epochs=40, args_kw={
+        "gradient_accumulation_steps": 16, "eval_strategy": "no"}, profile_steps=2)
+    trainer.train()
+    assert opt.state is State.DONE and len(opt.points) >= 3
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-3)
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
+def test_a_run_resumed_mid_epoch_foresees_the_short_last_cycle(tmp_path):
+    # 50 batches an epoch, k=3: 16 cycles and one of 2. Resumed from a checkpoint at step 20
+    # (mid epoch 2), the callback counts that epoch's steps from the checkpoint's, so it
+    # pauses before the short cycle; a pause within a step (the cycle seen short only at its
+    # end) would make the optimizer drop what it had measured and split its windows.
+    args = {"gradient_accumulation_steps": 3, "eval_strategy": "no", "save_strategy": "steps",
+            "save_steps": 20, "num_train_epochs": 2}
+    train = RandomData(800)
+    sim, opt, _, trainer = setup(tmp_path, MLP(), args_kw={**args, "max_steps": 20}, dry_run=True)
+    trainer.train_dataset = train
+    trainer.train()
+    sim, opt, _, trainer = setup(tmp_path, MLP(), args_kw=args, warmup_steps=1, profile_steps=3,
+                                 dry_run=True)
+    trainer.train_dataset = train
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-20"))
+    assert trainer.state.global_step == 34
+    assert not opt._split_steps and opt.points
+
+
 def test_exception_in_training_restores_the_limit_with_the_optimizer_as_context(tmp_path):
     sim, opt, work, trainer = setup(tmp_path, MLP(fail_after=15))
     with pytest.raises(RuntimeError, match="boom"):

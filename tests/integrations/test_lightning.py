@@ -194,6 +194,18 @@ def test_a_step_is_an_accumulation_cycle_however_validation_splits_them(batches:
     assert sim.gpus[0].power_limit_w() == PRESET_W
 
 
+def test_an_epoch_of_fewer_batches_than_a_cycle_is_one_step_and_is_measured():
+    # accumulate_grad_batches=16 over epochs of 11 batches: Lightning steps once per epoch,
+    # with all 11. Every cycle is that short: each is a step, and profiling goes on.
+    sim, opt, work, trainer = setup(max_epochs=40, accumulate_grad_batches=16)
+    opt.profile_steps = 2
+    trainer.fit(MLP(), loader(176))
+    assert opt.state is State.DONE and len(opt.points) >= 3
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(11 * truth(limit).time_s, rel=1e-2)
+    assert sim.gpus[0].power_limit_w() == PRESET_W
+
+
 class ManualMLP(MLP):
     """Manual optimization with the plain torch optimizer: ``trainer.global_step`` never moves."""
 

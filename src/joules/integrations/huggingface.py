@@ -16,9 +16,13 @@ What counts as a step: the Trainer's ``on_step_begin`` / ``on_step_end`` bracket
 micro-batches (``warmup_steps`` and ``profile_steps`` count optimizer steps). An epoch whose
 batches ``k`` does not divide ends with a shorter cycle, which is not a step like the others:
 the measurement pauses for it (as the Lightning callback does). It is told from the train
-dataloader's length and the cycles counted since the epoch began; where that cannot tell
-(a dataloader without a length, a run resumed in the middle of an epoch), a cycle seen to
-end short (fewer ``on_substep_end`` calls than ``k - 1``) pauses instead, which drops the step.
+dataloader's length and the optimizer steps of the epoch so far (a run resumed in the
+middle of an epoch included); an epoch of fewer than ``k`` batches is one step, as the
+Trainer makes it, and each is measured. Where the length is unknown (an iterable dataset),
+a cycle seen to end short (fewer ``on_substep_end`` calls than ``k - 1``) pauses instead:
+the pause then comes within a step, which the optimizer handles by dropping what it measured
+since the previous pause (the first time) and one step after that
+(:meth:`~joules.optimizers.power_limit.optimizer.PowerLimitOptimizer.pause`).
 
 Evaluation and checkpoint saving are not training steps: when the Trainer is about to
 evaluate or save after a step (``control.should_evaluate`` / ``control.should_save``, set by
@@ -74,14 +78,20 @@ class PowerLimitCallback(TrainerCallback):
         self.optimizer.on_train_begin()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._cycles = 0
+        # A resumed run starts part-way through an epoch: count the steps it has done there.
+        k, batches = _accumulation(args), _length(kwargs.get("train_dataloader"))
+        step = getattr(state, "global_step", 0)
+        per_epoch = -(-batches // k) if batches else 0
+        self._cycles = step % per_epoch if per_epoch and isinstance(step, int) else 0
         self.optimizer.on_epoch_begin()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         k = _accumulation(args)
         self._substeps = 0
         batches = _length(kwargs.get("train_dataloader"))
-        self._partial = k > 1 and batches is not None and 0 < batches - self._cycles * k < k
+        # (an epoch of fewer than k batches is one step of all of them, like every epoch's)
+        self._partial = (k > 1 and batches is not None and batches >= k
+                         and 0 < batches - self._cycles * k < k)
         self._cycles += 1
         if self._partial:  # the epoch's last cycle is short: not a step like the others
             self.optimizer.pause()
@@ -93,7 +103,9 @@ class PowerLimitCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._partial:  # (a short cycle foreseen paused at its begin)
-            if self._substeps + 1 < _accumulation(args):  # short, though not foreseen: drop it
+            batches = _length(kwargs.get("train_dataloader"))
+            full = min(_accumulation(args), batches) if batches else _accumulation(args)
+            if self._substeps + 1 < full:  # short, though not foreseen: drop it
                 self.optimizer.pause()
             else:
                 self.optimizer.on_step_end()

@@ -20,7 +20,12 @@ accumulation cycle of ``k`` batches, as Lightning counts them (batch indices ``0
 ``k..2k-1``, ... of each epoch), since the batches that only accumulate cost less than the
 one that steps, and counting batches would make measured spans hold uneven shares of each.
 ``warmup_steps`` and ``profile_steps`` count cycles then. A last cycle of fewer than ``k``
-batches at an epoch's end is not measured (the measurement pauses before it).
+batches at an epoch's end is not measured (the measurement pauses before it); an epoch of
+fewer than ``k`` batches is one step of all of them, as Lightning makes it, and each is
+measured. Where the number of batches is unknown (an iterable dataset without a length), the
+epoch's end comes within the short cycle: the optimizer then drops what it measured since
+the previous pause (the first time) and one step after that
+(:meth:`~joules.optimizers.power_limit.optimizer.PowerLimitOptimizer.pause`).
 
 Validation (including the sanity check before training) and checkpoint saving are not
 training steps: the measurement pauses when a validation loop starts and when a checkpoint is
@@ -71,6 +76,7 @@ class PowerLimitCallback(Callback):
         self.optimizer = optimizer
         self.pause_on_validation_and_save = pause_on_validation_and_save
         self._partial = False  # the batches of an epoch's last, partial accumulation cycle
+        self._cycle_end = -1  # batch index that ends the current cycle
 
     # -- training -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -96,16 +102,18 @@ class PowerLimitCallback(Callback):
             return  # within a cycle
         left = getattr(trainer, "num_training_batches", math.inf)
         left = left - batch_idx if isinstance(left, (int, float)) else math.inf
-        self._partial = k > 1 and left < k
+        # (an epoch of fewer than k batches is one step of all of them, like every epoch's)
+        self._partial = k > 1 and left < k and batch_idx > 0
         if self._partial:  # the epoch's last cycle is short: not a step like the others
             self.optimizer.pause()
         else:
+            self._cycle_end = batch_idx + (k if left >= k else int(left)) - 1
             self.optimizer.on_step_begin()
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._partial and (batch_idx + 1) % self._cycle(trainer, pl_module) == 0:
+        if not self._partial and batch_idx == self._cycle_end:
             self.optimizer.on_step_end()
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
