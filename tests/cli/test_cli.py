@@ -239,6 +239,23 @@ def test_info_whose_reader_goes_early_ends_with_0(args: list[str]) -> None:
     assert b"Traceback" not in err
 
 
+def test_json_commands_whose_reader_is_gone_end_with_their_own_code(tmp_path: Path) -> None:
+    # The reader closes the pipe before the command writes: the command's work is done, and
+    # its exit code is its own (restore's 1 means a GPU was not put back), not 1 for the pipe.
+    profile = tmp_path / "A100+toy+gpu0.csv"
+    profile.write_text("start_time,window_name,elapsed_time,gpu0_energy\n"
+                       "0,__GlobalPowerLimitOptimizer_400,2.0,700\n"
+                       "3,__GlobalPowerLimitOptimizer_300,2.5,600\n")
+    for args in (["restore", "--sim", "A100", "--journal-dir", str(tmp_path / "none"), "--json"],
+                 ["simulate", "power-limit", "--profile", str(profile), "--json"]):
+        p = subprocess.Popen([JOULES, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout is not None
+        p.stdout.close()
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, (args, err)
+        assert b"Traceback" not in err
+
+
 def test_measure_warns_when_no_device_is_found() -> None:
     r = joules("measure", "--sim", "nocpu", "--json", "--", "true")
     assert r.returncode == 0

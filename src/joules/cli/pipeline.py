@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from joules.cli import Console, check_duration
+from joules.cli import Console, check_duration, print_out
 from joules.errors import JoulesError
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def plan(
 
     summary = frontier.summary()
     if as_json:
-        print(json.dumps(summary))
+        print_out(json.dumps(summary))
         return
     fastest, top = frontier.fastest, frontier.max_frequency
     t = Table(title=f"{prof.name}: {name}, {stages} stages x {microbatches} microbatches, "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from joules.cli import SIM_HELP, use_sim
+from joules.cli import SIM_HELP, print_out, use_sim
 from joules.devices.discovery import discover
 from joules.devices.restore import default_journal_dir, recover_report
 from joules.errors import JoulesError
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         ok = all(line.ok for line in lines)
         restored = sum(line.kind == "restored" for line in lines)
         if as_json:
-            print(json.dumps({
+            print_out(json.dumps({
                 "journal_dir": str(directory),
                 "restored": restored,
                 "ok": ok,
@@ -47,9 +47,9 @@ def register(app: typer.Typer) -> None:
             }, indent=2))
         else:
             for line in lines:
-                print(line.message)
-            if not restored and ok:
+                print_out(line.message)
+            if ok and not any(x.kind in ("restored", "kept") for x in lines):
                 # Name a directory that does not exist: a mistyped --journal-dir shows.
-                print("nothing to restore" if directory.is_dir()
-                      else f"nothing to restore (no journal directory {directory})")
-        return 0 if ok else 1
+                print_out("nothing to restore" if directory.is_dir()
+                          else f"nothing to restore (no journal directory {directory})")
+        return 0 if ok else 1  # what was done, whether or not its reader is still there

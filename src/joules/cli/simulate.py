@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from joules.cli import Console
+from joules.cli import Console, print_out
 from joules.errors import JoulesError
 
 simulate_app = typer.Typer(help="Replay optimizers on recorded measurements.", no_args_is_help=True)
@@ -61,7 +61,7 @@ def power_limit(
     strategy = Adaptive(prof.limits_w, sel, prof.gpus) if search == "adaptive" else Sweep(prof.limits_w, sel)
     result = replay(prof, strategy)
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print_out(json.dumps(result.to_dict()))
         return
     t = Table(title=f"{prof.name}: {sel.name}, {search} search")
     for col in ("chosen (W)", "best in hindsight (W)", "profiled (W)", "overhead energy (J)",
@@ -102,7 +102,7 @@ def recurring(
     job = load_job(traces, gpu, workload)
     if as_json:
         result = simulate(job, policy=policy, recurrences=recurrences, seed=seed, eta=eta, beta=beta)
-        print(json.dumps(result.to_dict()))
+        print_out(json.dumps(result.to_dict()))
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
