@@ -164,6 +164,46 @@ def test_workload_names_that_slug_alike_keep_their_own_files(tmp_path):
         store.load("A100", 1, "resnet50 b256")
 
 
+def test_mig_instances_of_one_gpu_count_it_once(tmp_path):
+    # Two MIG instances read the whole physical GPU: its energy per step is counted once,
+    # and the job has one GPU (the saved profile's key, the cost's max power).
+    from joules.devices.base import DeviceSet
+    from joules.devices.nvidia import NVMLGPU
+    from joules.testing import fake_pynvml
+
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(1.0), cpus=False)
+    with fake_pynvml.installed(sim, mig={0: 2}) as nv:
+        nv.nvmlInit()
+        parent = nv.nvmlDeviceGetHandleByIndex(0)
+        migs = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, k)) for k in range(2)]
+        gpus = [NVMLGPU(0, index=k, mig_uuid=m, nvml=nv) for k, m in enumerate(migs)]
+        monitor = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=sim.clock))
+        opt = PowerLimitOptimizer(monitor, selector="energy", search="sweep", warmup_steps=3,
+                                  profile_steps=20, handle_signals=False, workload="mlp",
+                                  store=tmp_path / "profiles")
+        train(sim, opt, epochs=10, steps=40)
+        assert opt.total_gpus == 1
+        for limit, p in opt.points.items():
+            assert p.energy_j == pytest.approx(truth("A100", limit).energy_j, rel=2e-2)
+        (saved,) = (tmp_path / "profiles").glob("*.json")
+        assert "-x1-mlp-" in saved.name
+        monitor.close()
+
+
+def test_an_unreadable_saved_profile_is_profiled_again_with_a_warning(tmp_path, caplog):
+    store = ProfileStore(tmp_path / "profiles")
+    sim, monitor, opt = make(workload="resnet/b256", store=store, selector="energy")
+    path = store.path(sim.gpus[0].name, 1, "resnet/b256")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="joules.power_limit"):
+        train(sim, opt, epochs=10, steps=40)
+    assert "not using the saved power-limit profile" in caplog.text and "unreadable" in caplog.text
+    assert opt.state is State.DONE and len(opt.points) >= 3
+    assert path.read_text() == "{not json"  # left for the user to look at, not overwritten
+
+
 def test_saved_profile_is_reused_by_the_next_job(tmp_path):
     store = ProfileStore(tmp_path / "profiles")
     sim, _, first = make("A100", selector="energy", workload="resnet/b256", store=store)

@@ -627,10 +627,11 @@ class PowerLimitOptimizer:
 
         Saved profiles are keyed by the model(s) and count. Ranks on one host may each see
         every GPU (``torchrun`` sets no ``CUDA_VISIBLE_DEVICES`` per rank): a GPU is counted
-        once, by the lowest rank that sees it (by host and UUID).
+        once, by the lowest rank that sees it (by host and the UUID of what its readings
+        measure: MIG instances of one GPU all read that whole GPU, which counts once).
         """
         host = socket.gethostname()
-        mine = [(host, g.uuid, g.name) for g in self.gpus]
+        mine = [(host, g.measured_uuid, g.name) for g in self.gpus]
         if self._dist is None:
             ranks = [mine]
         else:
@@ -641,7 +642,11 @@ class PowerLimitOptimizer:
             for h, uuid, name in gpus:
                 owner.setdefault((h, uuid), (rank, name))
         me = self._rank()
-        counted = [g for g in self.gpus if owner[(host, g.uuid)][0] == me]
+        counted: list[GPU] = []
+        for g in self.gpus:
+            if owner[(host, g.measured_uuid)][0] == me and all(
+                    c.measured_uuid != g.measured_uuid for c in counted):
+                counted.append(g)
         models = sorted({name for _, name in owner.values()})
         return (models[0] if len(models) == 1 else "+".join(models)), len(owner), counted
 
@@ -649,7 +654,11 @@ class PowerLimitOptimizer:
         """The saved points at the current candidate limits (rank 0 reads, and broadcasts)."""
         points: list[LimitPoint] | None = None
         if self.workload is not None and self._rank() == 0:
-            saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+            try:
+                saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+            except (ProfileError, OSError) as e:  # never fail training over a cache (nor hang
+                log.warning("not using the saved power-limit profile: %s", e)  # other ranks)
+                saved = []
             allowed = set(self.limits_w)
             points = [p for p in saved if p.limit_w in allowed] or None
             if saved and not points:
