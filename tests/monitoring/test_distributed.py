@@ -194,6 +194,13 @@ def test_devices_without_id():
     c = combine([r0, r1])
     assert c.gpu_energy_j == {0: 5.0, 1: 6.0}
     assert c.cpu_energy_j == {0: 7.0}
+    # Renumbered in a total of two hosts, a package keeps its identity: combined again with
+    # a rank that the total already holds, it still counts once.
+    r2 = Measurement("w", 0.0, 1.0, cpu={0: dev(80.0, "")}, host="g")
+    r2b = Measurement("w", 0.0, 1.0, cpu={0: dev(80.5, "")}, host="g")
+    total = combine([r0, r2])
+    assert total.cpu[1].device_id == "g/cpu0"
+    assert combine([total, r2b]).total_energy_j == combine([r0, r2, r2b]).total_energy_j == 5.0 + 87.0
 
 
 def test_per_host_breakdown():

@@ -86,7 +86,9 @@ def _merge(
                 d = zones[index]
                 on = d.host or host
                 if d.device_id or dedup_without_id:
-                    key = (on, d.device_id or f"{prefix}{index}")
+                    if not d.device_id:  # named by its index, as the monitor names zones, so
+                        d = replace(d, device_id=f"{on}/{prefix}{index}")  # renumbering keeps it
+                    key = (on, d.device_id)
                     if key in seen:
                         continue
                     seen.add(key)
@@ -123,6 +125,9 @@ def combine(
     host and ``elapsed_s`` is the longest of those spans; ``start_time`` is the earliest
     start on the first host's clock. With ``shared_clock=True`` (all hosts share one time
     base), ``elapsed_s`` is the span from the earliest start to the latest end over all.
+    A total of several hosts keeps only its longest span: combined again (totals of
+    subgroups), its energy is exact but its time is taken as that span on its first host's
+    clock, so ``elapsed_s`` can differ from combining the ranks' own measurements at once.
 
     Args:
         measurements: One measurement per rank (a rank may also contribute several).
