@@ -1025,3 +1025,60 @@ def test_signal_while_a_guard_restores_reaches_the_earlier_handlers(
     assert r.stdout == "user handler\n"
     assert recorded(state)[:2] == (300.0, 275.0)
     assert journals(tmp_path / "restore") == []
+
+
+def test_a_job_killed_after_another_guard_was_made_is_not_taken_for_the_original(
+        shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    # Job B's guard is made while job A runs (A's journal is live then, left alone); A is then
+    # killed before B's first change. B must not take A's lowered limit for the original.
+    state, env = shared
+    p = start_child("wait", env)
+    gpus = Simulator("A100x2", state_file=state).gpus
+    guard = RestoreGuard(gpus, journal_dir=tmp_path / "restore", handle_signals=False)
+    p.kill()
+    p.wait(timeout=30)
+    guard.set_power_limit_w(gpus[0], 200.0)
+    assert [c.original_power_limit_w for c in guard.changed] == [300.0]
+    assert any("left by process" in line for line in guard.recovered)
+    assert guard.restore() == []
+    assert recorded(state) == (300.0, 275.0, None)  # A's changes put back, then B's
+    assert journals(tmp_path / "restore") == []
+
+
+FORKING = textwrap.dedent("""
+    import os, sys
+    from joules.devices.discovery import discover
+    from joules.devices.restore import RestoreGuard
+
+    gpus = discover().gpus
+    guard = RestoreGuard(gpus)
+    guard.set_power_limit_w(gpus[0], 150)
+    pid = os.fork()
+    if pid == 0:  # a worker: its copy of the guard holds nothing of the parent's
+        try:
+            with guard:
+                guard.set_power_limit_w(discover().gpus[1], 125)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    print("ready", flush=True)
+    import time; time.sleep(60)
+""")
+
+
+def test_a_forked_child_neither_restores_nor_takes_over_its_parents_changes(
+        shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    state, env = shared
+    p = start_ready([sys.executable, "-c", FORKING], env, "ready", timeout_s=30)
+    try:
+        # The child put back its own change only; the parent's stands, in its own journal.
+        assert recorded(state)[:2] == (150.0, 275.0)
+        [path] = journals(tmp_path / "restore")
+        assert json.loads(path.read_text())["pid"] == p.pid
+        assert [x.kind for x in recover_report(Simulator("A100x2", state_file=state).gpus,
+                                               tmp_path / "restore")] == ["live"]
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+    recover_report(Simulator("A100x2", state_file=state).gpus, tmp_path / "restore")
+    assert recorded(state)[:2] == (300.0, 275.0)

@@ -49,6 +49,7 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -187,9 +188,19 @@ _busy = threading.local()
 _PENDING_SIGNALS: list[tuple[RestoreGuard, int, FrameType | None, _Handler]] = []
 
 
+# Every guard of this process, for a forked child to make them its own.
+_GUARDS: weakref.WeakSet[RestoreGuard] = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
-    """A forked child holds none of its parent's changes (its journals speak for them), nor its locks."""
+    """A forked child holds none of its parent's changes (its journals speak for them), nor its locks.
+
+    Its copies of the parent's guards start empty: restoring through them, or a change, must
+    not undo the parent's changes or take over (and then delete) the parent's journal.
+    """
     global _LOCK
+    for guard in list(_GUARDS):
+        guard._forked()
     _LOCK = threading.RLock()
     _REGISTRY.clear()
     _PENDING_SIGNALS.clear()
@@ -504,6 +515,8 @@ class RestoreGuard:
         self._prev_handlers: dict[int, _Handler] = {}
         self._handlers_held = 0
         self.recovered: list[str] = []
+        self.recover_stale = recover_stale
+        _GUARDS.add(self)
         if recover_stale:
             for line in recover_report(self.gpus, self.journal_dir):
                 if line.kind in ("live", "other-host"):
@@ -579,6 +592,8 @@ class RestoreGuard:
             entry = self._entries.get(gpu.control_uuid)
             recorded = entry is None or entry.original_power_limit_w is None
             if recorded:
+                if self.recover_stale:
+                    self._recover_gpu(gpu)  # a job killed since this guard was made
                 original = self._original_power_limit_w(gpu)
                 if entry is None:
                     entry = self._entries[gpu.control_uuid] = _Entry(gpu)
@@ -710,6 +725,39 @@ class RestoreGuard:
                         "records %g W before; restoring puts back %g W", gpu.index, gpu.uuid,
                         current, oldest.who, original, original)
         return original
+
+    def _forked(self) -> None:
+        """In a forked child: forget the parent's changes, journal and ownership."""
+        self._lock = threading.RLock()
+        self._entries = {}
+        self._journal = None
+        self._created = self._start = None
+        self._owner_pid = None
+
+    def _recover_gpu(self, gpu: GPU) -> None:
+        """Put back what processes that are gone left changed on ``gpu`` and the guard's GPUs.
+
+        The directory lock is held.
+
+        A job killed after this guard was made (its journal ignored then, as it ran) must not
+        have its lowered limit taken for the GPU's original.
+        """
+        try:
+            paths = sorted(sorted(self.journal_dir.glob("*.json")), key=_path_age, reverse=True)
+        except OSError:
+            return
+        mine = f"{_journal_host()}-{os.getpid()}-"
+        by_uuid: dict[str, GPU] = {}
+        for g in [*self.gpus, gpu]:  # as at the guard's start (journals name control_uuid)
+            by_uuid.setdefault(g.uuid, g)
+            by_uuid.setdefault(g.control_uuid, g)
+        for path in paths:
+            if path.name.startswith(mine):
+                continue
+            for line in _recover_journal(path, by_uuid, _hostname()):
+                if line.kind in ("restored", "failed", "corrupt"):
+                    self.recovered.append(line.message)
+                    logger.warning("joules: %s", line.message)
 
     def _forget(self, entry: _Entry) -> None:
         """Drop an entry with nothing left to restore, and the journal and hooks if none is left."""
