@@ -101,6 +101,24 @@ def test_joules_explores_once_and_stops_a_direction_at_a_costly_batch_size() -> 
     assert all(p == "exploit" and b in (16, 32, 64) for b, p in order[3:])
 
 
+def test_joules_goes_on_exploring_past_a_default_that_failed() -> None:
+    # The default (the largest here) ran out of epochs once: the other batch sizes must still
+    # be tried, not the failed default handed out again and again.
+    policy = make_policy(PolicyConfig(batch_sizes=(32, 64, 128, 256), default_batch_size=256, seed=1,
+                                      max_epochs=10, variant="joules"))
+    state, chosen = policy.initial_state(), []
+    for _ in range(8):
+        state, d = policy.next_trial(state)
+        chosen.append(d.batch_size)
+        failed = d.batch_size == 256
+        state = policy.observe(state, TrialResult(
+            d.batch_size, TrialOutcome.MAX_EPOCHS if failed else TrialOutcome.REACHED,
+            cost=100.0 if failed else 30.0 + d.batch_size / 32, epochs=10 if failed else 5))
+    assert chosen[:4] == [256, 128, 64, 32] and 256 not in chosen[1:]
+    summary = policy.summary(state)
+    assert summary.phase == "exploit" and summary.surviving == [32, 64, 128]
+
+
 def test_joules_ends_a_direction_before_a_candidate_the_rising_trend_predicts_costly() -> None:
     # Downwards the cost rises on two steps (64: 10, 32: 10.5, 16: 11.2): the trend, linear in
     # log batch size, predicts 11.2^2 / 10.5 = 11.9 for 8, above 1.15 x 10; 8 is never tried,
@@ -245,6 +263,40 @@ def test_sliding_window_keeps_the_last_observations(variant: str) -> None:
     assert policy.summary(state).posterior[64]["n"] == 3
     if variant == "nsdi23":
         assert policy.summary(state).posterior[64]["mean"] == 100.0  # the last 3 costs only
+
+
+@pytest.mark.parametrize("variant", ["joules", "nsdi23"])
+def test_with_a_window_the_stop_bound_follows_costs_that_drift_up(variant: str) -> None:
+    # Every epoch costs 2.5x after the data grew: a bound of beta x the old best would stop
+    # every trial for ever; the windows' bound lets trials reach the target again.
+    policy = make_policy(PolicyConfig(batch_sizes=(32, 64, 128), default_batch_size=64, seed=1,
+                                      window_size=3, beta=2.0, max_epochs=20, variant=variant))
+    per_epoch = {32: 1.2, 64: 1.0, 128: 1.1}
+
+    def trial(state: PolicyState, factor: float) -> tuple[PolicyState, TrialOutcome]:
+        state, d = policy.next_trial(state)
+        bound, cost = d.stop_cost, 0.0
+        for epoch in range(1, 21):  # stopped before an epoch that would cross the bound
+            cost += per_epoch[d.batch_size] * factor
+            if epoch == 10:
+                outcome = TrialOutcome.REACHED
+                break
+            if bound is not None and cost + per_epoch[d.batch_size] * factor > bound:
+                outcome = TrialOutcome.EARLY_STOPPED
+                break
+        return policy.observe(state, TrialResult(d.batch_size, outcome, cost, epochs=epoch)), outcome
+
+    state = policy.initial_state()
+    for _ in range(10):
+        state, _ = trial(state, 1.0)
+    assert policy.stop_cost(state) == pytest.approx(20.0)
+    outcomes = []
+    for _ in range(30):
+        state, outcome = trial(state, 2.5)
+        outcomes.append(outcome)
+    assert outcomes[:3] == [TrialOutcome.EARLY_STOPPED] * 3
+    assert outcomes[-10:] == [TrialOutcome.REACHED] * 10
+    assert policy.stop_cost(state) == pytest.approx(50.0)
 
 
 def test_nsdi23_window_posterior_is_the_windows_mean() -> None:

@@ -167,9 +167,18 @@ class _BasePolicy(Policy):
         return copy.deepcopy(state)
 
     def _best(self, state: PolicyState) -> tuple[int, float] | None:
-        """The cheapest trial that reached the target: (batch size, cost)."""
+        """The cheapest trial that reached the target: (batch size, cost).
+
+        With a sliding window, among each batch size's last ``window_size`` trials: after the
+        costs drift up, a bound from older, cheaper trials would stop every trial for ever.
+        """
         best: tuple[int, float] | None = None
-        for b, outcome, cost, _ in state["history"]:
+        w = self.config.window_size
+        seen: dict[int, int] = {}
+        for b, outcome, cost, _ in reversed(state["history"]):
+            seen[b] = seen.get(b, 0) + 1
+            if w and seen[b] > w:
+                continue
             if outcome == TrialOutcome.REACHED and (best is None or cost < best[1]):
                 best = (b, cost)
         return best
@@ -552,6 +561,8 @@ class JoulesPolicy(_BasePolicy):
                     if free is None:
                         free = b
                 elif s == _FAILED:
+                    if i == 0:  # the default: where both directions start, it ends neither
+                        continue
                     break
                 for c in order[i:]:  # what the direction may still try (up to a failure)
                     if status.get(str(c)) == _FAILED:
