@@ -204,6 +204,25 @@ def test_an_unreadable_saved_profile_is_profiled_again_with_a_warning(tmp_path, 
     assert path.read_text() == "{not json"  # left for the user to look at, not overwritten
 
 
+def test_a_job_that_ends_before_the_search_does_saves_what_it_measured(tmp_path):
+    # A recurring job's trials can be shorter than the search: each must go on from where
+    # the last one stopped, not profile again from the highest limit.
+    store = ProfileStore(tmp_path / "profiles")
+    sim, monitor, first = make(workload="mlp/b8", store=store, selector="energy", search="sweep",
+                               warmup_steps=2, profile_steps=5)
+    train(sim, first, epochs=1, steps=30)  # about 4 of 9 limits
+    assert first.state in (State.WARMUP, State.PROFILING)
+    measured = sorted(first.points)
+    assert len(measured) >= 3
+    assert sorted(p.limit_w for p in store.load(sim.gpus[0].name, 1, "mlp/b8")) == measured
+    sim, monitor, second = make(workload="mlp/b8", store=store, selector="energy", search="sweep",
+                                warmup_steps=2, profile_steps=5)
+    train(sim, second, epochs=3, steps=40)
+    assert second.state is State.DONE
+    assert sorted(second.reused_limits_w) == measured
+    assert not set(second._measured) & set(measured)
+
+
 def test_saved_profile_is_reused_by_the_next_job(tmp_path):
     store = ProfileStore(tmp_path / "profiles")
     sim, _, first = make("A100", selector="energy", workload="resnet/b256", store=store)

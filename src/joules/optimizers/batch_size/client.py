@@ -157,9 +157,10 @@ class BatchSizeOptimizer:
         token: Bearer token for the server (default: ``$JOULES_SERVER_TOKEN``, if set).
         timeout_s: Timeout of each request (connect, read, write), s.
         retries: Retries of a request that failed with a connection error, a timeout, a 5xx
-            other than 501 (not implemented), or a 429 answer (no other 4xx is retried).
+            other than 501 (not implemented), or a 408, 425 or 429 answer (no other 4xx is
+            retried).
         backoff_s: Wait before the first retry; it doubles with every retry up to 30 s (plus
-            up to 10% jitter). A 429's ``Retry-After`` is honored up to 60 s.
+            up to 10% jitter). A retried answer's ``Retry-After`` is honored up to 60 s.
         power_limit: Optimize the GPU power limit within each trial: ``True`` (default), a
             dict of :class:`~joules.optimizers.power_limit.PowerLimitOptimizer` arguments
             (``selector``, ``warmup_steps``, ``handle_signals``...), or ``False``. By default

@@ -481,7 +481,12 @@ class PowerLimitOptimizer:
         self.restore()
 
     def on_train_end(self) -> None:
-        """Training ended: put back the limits the GPUs had before."""
+        """Training ended: put back the limits the GPUs had before.
+
+        With a ``workload`` name, the limits measured by a search that has not finished are
+        saved too: the next job (a recurring job's next trial) takes them as measured and
+        profiles only what is left.
+        """
         if self._window_open:
             with suppress(WindowError):
                 self.monitor.cancel_window(self._window_name())
@@ -489,6 +494,8 @@ class PowerLimitOptimizer:
         self._stepped = False
         if self.state is not State.READY:
             self._ended = True
+        if self.state in (State.WARMUP, State.PROFILING) and self._measured:
+            self._save()
         self.restore()
 
     def restore(self) -> None:
