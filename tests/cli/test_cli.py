@@ -256,6 +256,21 @@ def test_json_commands_whose_reader_is_gone_end_with_their_own_code(tmp_path: Pa
         assert b"Traceback" not in err
 
 
+def test_measure_after_a_terminal_hang_up_still_ends_with_the_commands_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # After SIGHUP the terminal is gone: writing the table fails with EIO.
+    import errno
+
+    import joules.cli.measure  # noqa: F401 - the module whose Console is patched
+    from joules import cli
+
+    def hung_up(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(cli.measure.Console, "print", hung_up)
+    assert main(["measure", "--sim", "A100", "--", "sh", "-c", "exit 3"]) == 3
+
+
 def test_measure_warns_when_no_device_is_found() -> None:
     r = joules("measure", "--sim", "nocpu", "--json", "--", "true")
     assert r.returncode == 0

@@ -223,7 +223,10 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_out(json.dumps(measurement_json(command, code, m)))
         else:
-            Console(stderr=True).print(measurement_table(m, shlex.join(command)))
+            try:
+                Console(stderr=True).print(measurement_table(m, shlex.join(command)))
+            except OSError:  # the terminal hung up (EIO): the log and timeline are written
+                pass
         if status == -signal.SIGINT:
             # The command died of Ctrl-C: so does joules, once the report is out, so that a
             # shell loop around it stops too (a shell goes on when a command exits 130, which
