@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -149,6 +150,24 @@ def test_a_callback_that_advances_the_clock_is_not_undone() -> None:
     before = clock.now()
     clock.advance(0.5)
     assert clock.now() == before + 0.5
+    # The ticks the callback skipped (2 to 5) are not fired in a burst at 6 s: one catch-up
+    # call, then the period again, as a thread timer does.
+    clock.advance(2.0)
+    assert seen == [0.0, 1.0, 6.0, 7.0, 8.0]
+
+
+def test_non_finite_periods_and_times_are_refused() -> None:
+    clock = VirtualClock()
+    for period in (math.nan, math.inf, 0.0, -1.0):
+        with pytest.raises(ValueError, match="positive and finite"):
+            clock.every(period, lambda now: None)
+        with pytest.raises(ValueError, match="positive and finite"):
+            RealClock().every(period, lambda now: None)
+    clock.every(0.1, lambda now: None)
+    for dt in (math.inf, math.nan):
+        with pytest.raises(ValueError):
+            clock.advance(dt)
+    assert clock.now() == 0.0
 
 
 def test_advance_from_many_threads_loses_no_time() -> None:

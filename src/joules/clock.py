@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -83,8 +84,8 @@ class RealClock:
             time.sleep(seconds)
 
     def every(self, period: float, callback: Callable[[float], None], name: str = "") -> Timer:
-        if period <= 0:
-            raise ValueError(f"timer period must be positive, got {period}")
+        if not (math.isfinite(period) and period > 0):
+            raise ValueError(f"timer period must be positive and finite, got {period}")
         return _ThreadTimer(period, callback, name)
 
 
@@ -105,8 +106,8 @@ class VirtualClock:
     ``advance(dt)`` moves time forward and fires every periodic task due on the way, in time
     order, with the clock set to each task's due time while it runs. ``sleep`` advances the
     clock, so code written against :class:`Clock` runs unchanged (and instantly) on it.
-    Hooks registered with :meth:`on_advance` run after each step; simulated devices use them
-    to account for energy as time passes.
+    A callback that advances the clock past its timer's next ticks gets one catch-up call at
+    once and then its period again, as a thread timer that fell behind skips missed ticks.
 
     Args:
         start: Initial time in seconds.
@@ -126,8 +127,8 @@ class VirtualClock:
         self.advance(seconds)
 
     def every(self, period: float, callback: Callable[[float], None], name: str = "") -> Timer:
-        if period <= 0:
-            raise ValueError(f"timer period must be positive, got {period}")
+        if not (math.isfinite(period) and period > 0):
+            raise ValueError(f"timer period must be positive and finite, got {period}")
         if self._now + period == self._now:  # it would fire at one time forever
             raise ValueError(f"timer period {period} is too short to move the clock from {self._now} s")
         timer = _VirtualTimer(self, period, callback)
@@ -149,8 +150,8 @@ class VirtualClock:
         with self._lock:
             if t < self._now:
                 raise ValueError(f"a clock cannot go backwards (from {self._now} to {t})")
-            if t != t:  # NaN
-                raise ValueError("a clock cannot move to NaN")
+            if not math.isfinite(t):
+                raise ValueError(f"a clock cannot move to {t} (NaN or infinity)")
             while self._queue and self._queue[0][0] <= t:
                 due, _, timer = heapq.heappop(self._queue)
                 if timer.cancelled:
@@ -161,6 +162,8 @@ class VirtualClock:
                     if due + timer.period == due:  # the clock has grown past the period's resolution
                         raise ValueError(f"timer period {timer.period} is too short to move the clock "
                                          f"from {due} s")
-                    heapq.heappush(self._queue, (due + timer.period, next(self._seq), timer))
+                    # Past ticks a slow callback skipped: one catch-up call now, no burst.
+                    next_due = max(due + timer.period, self._now)
+                    heapq.heappush(self._queue, (next_due, next(self._seq), timer))
             self._now = max(self._now, t)  # a timer's callback may have advanced the clock further
             return self._now
