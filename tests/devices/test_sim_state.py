@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from joules.devices.discovery import discover
-from joules.devices.sim import Simulator
+from joules.devices.sim import Constant, Simulator
 
 
 def test_settings_are_kept_in_the_state_file(tmp_path: Path) -> None:
@@ -70,3 +72,24 @@ def test_discover_passes_joules_sim_state(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout == "220.0\n"
     assert json.loads(state.read_text())["gpus"]["1"]["power_limit_w"] == 180.0
+
+
+def test_processes_sharing_a_state_file_see_each_others_changes(tmp_path: Path) -> None:
+    # Two simulators on one file stand for two processes: as on a real GPU, each sees the
+    # one setting the GPU has, and a change of one setting keeps the other's.
+    state = tmp_path / "state.json"
+    a, b = Simulator("A100x2", state_file=state), Simulator("A100x2", state_file=state)
+    b.gpus[0].set_power_limit_w(250.0)
+    assert a.gpus[0].power_limit_w() == 250.0
+    a.gpus[0].lock_sm_clock(210, 1200)
+    b.gpus[1].set_power_limit_w(300.0)
+    assert b.gpus[0].sm_clock_locked() == (210.0, 1200.0)
+    assert a.gpus[1].power_limit_w() == 300.0  # another GPU's change, after GPU 0 looked
+    c = Simulator("A100x2", state_file=state)
+    assert c.gpus[0].power_limit_w() == 250.0 and c.gpus[0].sm_clock_locked() == (210.0, 1200.0)
+    b.gpus[0].reset_sm_clock()
+    assert a.gpus[0].sm_clock_locked() is None and a.gpus[0].power_limit_w() == 250.0
+    # The power model follows the limit another process set.
+    a.set_workload(Constant(1.0))
+    a.advance(1.0)
+    assert a.gpus[0].true_power_w() == pytest.approx(250.0, rel=0.02)

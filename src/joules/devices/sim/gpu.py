@@ -72,6 +72,8 @@ class SimGPU(GPU):
     Attributes:
         on_change: Called with the GPU after each change of its power limit or SM clock lock
             (the simulator's state file uses it to make settings outlive the process).
+        on_read: Called with the GPU before its power limit or SM clock lock is read or
+            changed (the state file uses it to take up other processes' changes).
 
     """
 
@@ -94,6 +96,7 @@ class SimGPU(GPU):
         self.uuid = f"GPU-5e1a7ed0-{index:04d}-4000-8000-{zlib.crc32(model.name.encode()):012d}"
         self.allow_control = allow_control
         self.on_change: Callable[[SimGPU], None] | None = None
+        self.on_read: Callable[[SimGPU], None] | None = None
         self._lock = fork_safe_lock(self, factory=threading.RLock)
         self._t_created = clock.now()
         self._phase = ((index * 0.37) % 1.0) * model.counter_period_s
@@ -189,6 +192,29 @@ class SimGPU(GPU):
             if changes:
                 self._new_epoch(**changes)
 
+    def sync_control_state(
+        self, power_limit_w: float | None, sm_clock_lock_mhz: tuple[float, float] | None
+    ) -> None:
+        """Take up settings another process changed: the limit (``None``: unchanged) and lock."""
+        m = self.model
+        with self._lock:
+            changes: dict[str, object] = {}
+            if (power_limit_w is not None and m.min_limit_w <= power_limit_w <= m.max_limit_w
+                    and power_limit_w != self._epochs[-1].limit_w):
+                changes["limit_w"] = float(power_limit_w)
+            lock = sm_clock_lock_mhz
+            if lock is not None and not m.min_sm_mhz <= lock[0] <= lock[1] <= m.max_sm_mhz:
+                lock = self._sm_lock  # malformed: ignored
+            if lock != self._sm_lock:
+                self._sm_lock = lock
+                changes["sm_cap_mhz"] = m.max_sm_mhz if lock is None else float(lock[1])
+            if changes:
+                self._new_epoch(**changes)
+
+    def _read(self) -> None:
+        if self.on_read is not None:
+            self.on_read(self)
+
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self)
@@ -282,6 +308,7 @@ class SimGPU(GPU):
 
     # -- power limit ------------------------------------------------------------------------
     def power_limit_w(self) -> float:
+        self._read()
         return self._epochs[-1].limit_w
 
     def default_power_limit_w(self) -> float:
@@ -301,6 +328,7 @@ class SimGPU(GPU):
         self.check_power_limit(watts)
         self._check_control("the power limit")
         with self._lock:
+            self._read()
             self._new_epoch(limit_w=float(watts))
             self._changed()
 
@@ -337,6 +365,7 @@ class SimGPU(GPU):
             )
         self._check_control("SM clocks")
         with self._lock:
+            self._read()
             self._sm_lock = (float(min_mhz), float(max_mhz))
             self._new_epoch(sm_cap_mhz=float(max_mhz))
             self._changed()
@@ -345,6 +374,7 @@ class SimGPU(GPU):
         self._check_sm_lock()
         self._check_control("SM clocks")
         with self._lock:
+            self._read()
             self._sm_lock = None
             self._new_epoch(sm_cap_mhz=self.model.max_sm_mhz)
             self._changed()
@@ -371,6 +401,7 @@ class SimGPU(GPU):
 
     def sm_clock_locked(self) -> tuple[float, float] | None:
         """The locked SM clock range, or ``None`` (for checking restore behaviour)."""
+        self._read()
         return self._sm_lock
 
     def temperature_c(self) -> float:

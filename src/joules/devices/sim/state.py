@@ -8,8 +8,10 @@ back.
 
 The file is JSON: ``{"gpus": {"<index>": {"uuid": ..., "name": ..., "power_limit_w": ...,
 "sm_clock_lock_mhz": [min, max] or null}}}``. Each write holds an exclusive ``flock`` on
-the sidecar ``<path>.lock``, re-reads the file, updates only its own GPU's entry and
-replaces the file atomically, so several processes may share one state file.
+the sidecar ``<path>.lock``, re-reads the file, updates only the settings its GPU changed
+and replaces the file atomically, so several processes may share one state file. A GPU
+takes up another process's changes when its settings are next read or changed, as a real
+GPU shows every process the one setting it has.
 """
 
 from __future__ import annotations
@@ -39,6 +41,40 @@ class SimStateFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._versions: dict[int, tuple[int, int, int] | None] = {}  # the file each GPU last saw
+        self._known: dict[str, dict[str, Any]] = {}  # each GPU's settings as the file had them
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # a write replaces the file: a new inode
+
+    @staticmethod
+    def _settings(gpu: SimGPU) -> dict[str, Any]:
+        with gpu._lock:  # (unlocked reads: no refresh from inside a refresh)
+            lock = gpu._sm_lock
+            return {"power_limit_w": gpu._epochs[-1].limit_w,
+                    "sm_clock_lock_mhz": list(lock) if lock is not None else None}
+
+    def refresh(self, gpu: SimGPU) -> None:
+        """Take up the settings another process wrote for ``gpu`` since this one last looked."""
+        version = self._stat()
+        if version is None or version == self._versions.get(gpu.index):
+            return
+        self._versions[gpu.index] = version
+        entry = self.load().get(str(gpu.index))
+        if entry is None or entry.get("uuid") != gpu.uuid:
+            return
+        limit, lock = _limit(entry), _lock(entry)
+        known = self._known.setdefault(str(gpu.index), {})
+        changed_limit = "power_limit_w" in entry and entry["power_limit_w"] != known.get("power_limit_w")
+        changed_lock = entry.get("sm_clock_lock_mhz") != known.get("sm_clock_lock_mhz", False)
+        known.update(power_limit_w=entry.get("power_limit_w"),
+                     sm_clock_lock_mhz=entry.get("sm_clock_lock_mhz"))
+        gpu.sync_control_state(limit if changed_limit else None,
+                               lock if changed_lock else gpu._sm_lock)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -56,16 +92,18 @@ class SimStateFile:
         return {k: v for k, v in gpus.items() if isinstance(v, dict)} if isinstance(gpus, dict) else {}
 
     def save(self, gpu: SimGPU) -> None:
-        """Record ``gpu``'s current power limit and SM clock lock, keeping other GPUs' entries."""
-        lock = gpu.sm_clock_locked()
-        entry = {
-            "uuid": gpu.uuid,
-            "name": gpu.name,
-            "power_limit_w": gpu.power_limit_w(),
-            "sm_clock_lock_mhz": list(lock) if lock is not None else None,
-        }
+        """Record what ``gpu`` changed (power limit, SM clock lock), keeping the rest of the file."""
+        now = self._settings(gpu)
+        known = self._known.setdefault(str(gpu.index), {})
         with self._locked():
             gpus = self.load()
+            old = gpus.get(str(gpu.index))
+            entry = dict(old) if old is not None and old.get("uuid") == gpu.uuid else {}
+            entry.update(uuid=gpu.uuid, name=gpu.name)
+            for key, value in now.items():
+                if key not in entry or value != known.get(key):
+                    entry[key] = value
+            known.update((k, entry[k]) for k in now)
             gpus[str(gpu.index)] = entry
             text = json.dumps({"format": FORMAT, "gpus": dict(sorted(gpus.items()))}, indent=2)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
@@ -73,23 +111,37 @@ class SimStateFile:
                 with os.fdopen(fd, "w") as f:
                     f.write(text + "\n")
                 os.replace(tmp, self.path)
+                self._versions[gpu.index] = self._stat()
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
 
     def attach(self, gpus: Sequence[SimGPU]) -> None:
-        """Start each GPU from its recorded settings (same index and UUID), and record its changes."""
+        """Start each GPU from its recorded settings (same index and UUID), and keep it in step.
+
+        Its changes are recorded, and other processes' changes taken up.
+        """
+        version = self._stat()
         recorded = self.load()
         for gpu in gpus:
             entry = recorded.get(str(gpu.index))
             if entry is not None and entry.get("uuid") == gpu.uuid:
-                limit = entry.get("power_limit_w")
-                lock = entry.get("sm_clock_lock_mhz")
-                valid_lock = (isinstance(lock, list) and len(lock) == 2
-                              and all(isinstance(x, int | float) and not isinstance(x, bool) for x in lock))
-                gpu.load_control_state(
-                    float(limit) if isinstance(limit, int | float) and not isinstance(limit, bool) else None,
-                    (float(lock[0]), float(lock[1])) if valid_lock else None,  # a malformed entry is ignored
-                )
+                gpu.load_control_state(_limit(entry), _lock(entry))  # a malformed entry is ignored
+                self._known[str(gpu.index)] = {"power_limit_w": entry.get("power_limit_w"),
+                                               "sm_clock_lock_mhz": entry.get("sm_clock_lock_mhz")}
+            self._versions[gpu.index] = version
             gpu.on_change = self.save
+            gpu.on_read = self.refresh
+
+
+def _limit(entry: dict[str, Any]) -> float | None:
+    limit = entry.get("power_limit_w")
+    return float(limit) if isinstance(limit, int | float) and not isinstance(limit, bool) else None
+
+
+def _lock(entry: dict[str, Any]) -> tuple[float, float] | None:
+    lock = entry.get("sm_clock_lock_mhz")
+    valid = (isinstance(lock, list) and len(lock) == 2
+             and all(isinstance(x, int | float) and not isinstance(x, bool) for x in lock))
+    return (float(lock[0]), float(lock[1])) if valid else None
