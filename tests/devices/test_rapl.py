@@ -329,6 +329,33 @@ def test_window_longer_than_a_wrap_is_exact_with_one_poll_per_wrap(tmp_path: Pat
     assert d1 - d0 == pytest.approx(162_000.0, abs=0.1)
 
 
+@pytest.mark.parametrize(("model", "package_uj", "dram_uj"), [
+    ("XEON8480", 262_143_328_850, 262_143_328_850),
+    ("XEON6248", 262_143_328_850, 65_712_999_613),  # DRAM in the fixed 15.3 µJ unit
+    ("EPYC7763", 65_532_610_987, None),  # 2**-16 J units, no DRAM zone
+])
+def test_simulated_packages_wrap_where_the_kernel_says(
+        tmp_path: Path, model: str, package_uj: int, dram_uj: int | None) -> None:
+    clock = VirtualClock()
+    sim = SimCPU(cpu_model(model), clock, workload=Constant(1.0))
+    fake = FakePowercap.for_sim(tmp_path, [sim])
+
+    def wrap(zone: str) -> int:
+        return int((fake.zone_dir(0, zone) / "max_energy_range_uj").read_text())
+
+    assert wrap("package") == pytest.approx(package_uj, abs=100)
+    if dram_uj is None:
+        assert not sim.has_dram()
+        return
+    assert wrap("dram") == pytest.approx(dram_uj, abs=100)
+    # DRAM counted in its own unit, read through the wrap-extending reader.
+    (cpu,), _ = discover(fake)
+    d0, t0 = cpu.dram_energy_j(), sim.true_dram_energy_j()
+    clock.advance(10.0)
+    fake.sync_from([sim])
+    assert cpu.dram_energy_j() - d0 == pytest.approx(sim.true_dram_energy_j() - t0, abs=0.05)
+
+
 def test_without_polls_a_long_window_loses_whole_wraps(tmp_path: Path) -> None:
     clock = VirtualClock()
     sim = SimCPU(cpu_model("XEON8480"), clock, workload=Constant(1.0))

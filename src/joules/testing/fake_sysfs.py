@@ -226,7 +226,7 @@ class FakePowercap:
         for i, cpu in enumerate(cpus):
             fake.set_max_energy_range_uj(i, "package", _wrap_uj(cpu))
             if cpu.has_dram():
-                fake.set_max_energy_range_uj(i, "dram", _wrap_uj(cpu))
+                fake.set_max_energy_range_uj(i, "dram", _wrap_uj(cpu, dram=True))
             elif (i, "dram") in fake._dirs:
                 _remove_zone(fake, i, "dram")
         fake.sync_from(cpus)
@@ -241,13 +241,17 @@ class FakePowercap:
             if cpu.has_dram() and (i, "dram") in self._dirs:
                 raw = _raw_dram_units(cpu)
                 key = (i, "dram")
-                self._write(key, round(raw * unit_uj) % self._max[key])
+                dram_uj = (cpu.model.dram_energy_unit_j or cpu.model.energy_unit_j) * 1e6
+                self._write(key, round(raw * dram_uj) % self._max[key])
 
 
-def _wrap_uj(cpu: SimCPU) -> int:
-    """The wrap value, µJ, of a simulated CPU's raw counters."""
-    units = int(cpu.model.wrap_j / cpu.model.energy_unit_j)
-    return round(units * cpu.model.energy_unit_j * 1e6)
+def _wrap_uj(cpu: SimCPU, dram: bool = False) -> int:
+    """The wrap value, µJ, of a simulated CPU's raw package (or DRAM) counters."""
+    m = cpu.model
+    unit = (m.dram_energy_unit_j or m.energy_unit_j) if dram else m.energy_unit_j
+    wrap = (m.dram_wrap_j or m.wrap_j) if dram else m.wrap_j
+    units = int(wrap / unit)
+    return round(units * unit * 1e6)
 
 
 def _raw_dram_units(cpu: SimCPU) -> int:

@@ -84,8 +84,13 @@ class CPUModel:
         dram_idle_w / dram_peak_w: DRAM power when idle and at full load, W (``None``: no
             DRAM zone, as on AMD packages).
         counter_period_s: RAPL update period (about 1 ms).
-        energy_unit_j: Counter resolution, J.
-        wrap_j: Energy at which the counter wraps (``max_energy_range_uj``), J.
+        energy_unit_j: Counter resolution, J (Intel: 2**-14 J, which the kernel takes as
+            61.035 µJ; AMD: 2**-16 J).
+        wrap_j: Energy at which the counter wraps (``max_energy_range_uj``), J: 2**32 units,
+            as the kernel computes it.
+        dram_energy_unit_j / dram_wrap_j: The DRAM zone's, where it differs (Intel server
+            CPUs before Sapphire Rapids count DRAM in a fixed 15.3 µJ unit); ``None``: the
+            package's.
 
     """
 
@@ -96,8 +101,10 @@ class CPUModel:
     dram_idle_w: float | None
     dram_peak_w: float | None
     counter_period_s: float = 0.001
-    energy_unit_j: float = 61e-6
+    energy_unit_j: float = 61.035e-6
     wrap_j: float = 262143.328850
+    dram_energy_unit_j: float | None = None
+    dram_wrap_j: float | None = None
 
     def with_overrides(self, **kwargs: object) -> CPUModel:
         """A copy with some fields changed."""
@@ -156,11 +163,11 @@ CPU_MODELS: dict[str, CPUModel] = {
     ),
     "XEON6248": CPUModel(
         name="Intel Xeon Gold 6248", vendor="intel", idle_w=45.0, tdp_w=150.0,
-        dram_idle_w=8.0, dram_peak_w=30.0,
+        dram_idle_w=8.0, dram_peak_w=30.0, dram_energy_unit_j=15.3e-6, dram_wrap_j=65712.999613,
     ),
     "EPYC7763": CPUModel(
         name="AMD EPYC 7763", vendor="amd", idle_w=90.0, tdp_w=280.0,
-        dram_idle_w=None, dram_peak_w=None, energy_unit_j=15.3e-6, wrap_j=65712.999613,
+        dram_idle_w=None, dram_peak_w=None, energy_unit_j=15.2587e-6, wrap_j=65532.610987,
     ),
 }
 

@@ -91,8 +91,10 @@ class SimCPU(CPU):
         self._dram: _Zone | None = None
         self._dram_counter: WrappingCounter | None = None
         if model.dram_idle_w is not None and model.dram_peak_w is not None:
-            self._dram = _Zone(clock, model.dram_idle_w, model.dram_peak_w, model.energy_unit_j,
-                               model.wrap_j, model.counter_period_s, 0.3 * model.wrap_j)
+            unit = model.dram_energy_unit_j or model.energy_unit_j
+            wrap = model.dram_wrap_j or model.wrap_j
+            self._dram = _Zone(clock, model.dram_idle_w, model.dram_peak_w, unit, wrap,
+                               model.counter_period_s, 0.3 * wrap)
             self._dram_counter = WrappingCounter(self._dram.wrap_units)
         if workload is not None:
             self.set_workload(workload)
@@ -132,11 +134,11 @@ class SimCPU(CPU):
         if self._dram is None or self._dram_counter is None:
             raise NotSupportedError(f"CPU {self.index} ({self.name}) has no DRAM zone")
         with self._lock:
-            return self._dram_counter.update(self._dram.raw_units()) * self.model.energy_unit_j
+            return self._dram_counter.update(self._dram.raw_units()) * self._dram.unit_j
 
     def max_read_interval_s(self) -> float:
-        peak = self.model.tdp_w + (self.model.dram_peak_w or 0.0)
-        return self.model.wrap_j / peak
+        m = self.model
+        return min(m.wrap_j, m.dram_wrap_j or m.wrap_j) / (m.tdp_w + (m.dram_peak_w or 0.0))
 
     def max_power_w(self, dram: bool = False) -> float | None:
         return self.model.dram_peak_w if dram else self.model.tdp_w
