@@ -180,17 +180,8 @@ class SimGPU(GPU):
         self, power_limit_w: float | None, sm_clock_lock_mhz: tuple[float, float] | None
     ) -> None:
         """Start from settings a previous process left (values outside the model's ranges are ignored)."""
-        m = self.model
         with self._lock:
-            changes: dict[str, object] = {}
-            if power_limit_w is not None and m.min_limit_w <= power_limit_w <= m.max_limit_w:
-                changes["limit_w"] = float(power_limit_w)
-            lock = sm_clock_lock_mhz
-            if lock is not None and m.min_sm_mhz <= lock[0] <= lock[1] <= m.max_sm_mhz:
-                self._sm_lock = (float(lock[0]), float(lock[1]))
-                changes["sm_cap_mhz"] = float(lock[1])
-            if changes:
-                self._new_epoch(**changes)
+            self.sync_control_state(power_limit_w, sm_clock_lock_mhz or self._sm_lock)
 
     def sync_control_state(
         self, power_limit_w: float | None, sm_clock_lock_mhz: tuple[float, float] | None
@@ -206,7 +197,7 @@ class SimGPU(GPU):
             if lock is not None and not m.min_sm_mhz <= lock[0] <= lock[1] <= m.max_sm_mhz:
                 lock = self._sm_lock  # malformed: ignored
             if lock != self._sm_lock:
-                self._sm_lock = lock
+                self._sm_lock = None if lock is None else (float(lock[0]), float(lock[1]))
                 changes["sm_cap_mhz"] = m.max_sm_mhz if lock is None else float(lock[1])
             if changes:
                 self._new_epoch(**changes)
