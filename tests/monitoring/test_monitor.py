@@ -1059,17 +1059,14 @@ def test_counter_reset_inside_a_window_falls_back_to_power_samples() -> None:
 
 
 def test_mig_instances_of_one_gpu_are_counted_once() -> None:
-    from joules.devices.nvidia import NVMLGPU
     from joules.testing import fake_pynvml
 
     sim = Simulator("A100,nocpu")
     sim.set_workload(Constant(0.5))
     with fake_pynvml.installed(sim, mig={0: 2}) as nv:
-        nv.nvmlInit()
-        h = nv.nvmlDeviceGetHandleByIndex(0)
-        migs = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(h, k)) for k in range(2)]
         # (A process enumerates one MIG device; a monitor can still be given several.)
-        gpus = [NVMLGPU(0, index=k, mig_uuid=m, nvml=nv) for k, m in enumerate(migs)]
+        gpus = fake_pynvml.mig_gpus(nv)
+        assert len(gpus) == 2
         mon = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=sim.clock))
         sim.advance(2.0)
         e0 = sim.gpus[0].true_energy_j()

@@ -168,16 +168,12 @@ def test_mig_instances_of_one_gpu_count_it_once(tmp_path):
     # Two MIG instances read the whole physical GPU: its energy per step is counted once,
     # and the job has one GPU (the saved profile's key, the cost's max power).
     from joules.devices.base import DeviceSet
-    from joules.devices.nvidia import NVMLGPU
     from joules.testing import fake_pynvml
 
     sim = Simulator("A100,nocpu")
     sim.set_workload(Constant(1.0), cpus=False)
     with fake_pynvml.installed(sim, mig={0: 2}) as nv:
-        nv.nvmlInit()
-        parent = nv.nvmlDeviceGetHandleByIndex(0)
-        migs = [nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(parent, k)) for k in range(2)]
-        gpus = [NVMLGPU(0, index=k, mig_uuid=m, nvml=nv) for k, m in enumerate(migs)]
+        gpus = fake_pynvml.mig_gpus(nv)
         monitor = EnergyMonitor(devices=DeviceSet(gpus=gpus, cpus=[], clock=sim.clock))
         opt = PowerLimitOptimizer(monitor, selector="energy", search="sweep", warmup_steps=3,
                                   profile_steps=20, handle_signals=False, workload="mlp",

@@ -1070,6 +1070,25 @@ def _check_return(ret: int) -> int:
     return ret
 
 
+def mig_gpus(nvml: types.ModuleType, physical_index: int = 0) -> list[Any]:
+    """One :class:`~joules.devices.nvidia.NVMLGPU` per MIG instance of a fake GPU, indexed 0, 1...
+
+    A process enumerates one MIG device; tests of what several instances of one GPU do
+    (counted once, one power limit) build them directly.
+    """
+    from joules.devices.nvidia import NVMLGPU
+
+    nvml.nvmlInit()
+    parent = nvml.nvmlDeviceGetHandleByIndex(physical_index)
+    uuids = []
+    for k in range(nvml.nvmlDeviceGetMaxMigDeviceCount(parent)):
+        try:
+            uuids.append(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, k)))
+        except nvml.NVMLError:
+            break
+    return [NVMLGPU(physical_index, index=k, mig_uuid=u, nvml=nvml) for k, u in enumerate(uuids)]
+
+
 @contextlib.contextmanager
 def installed(sim: object, *, patch: Iterable[str] = (), **kwargs: Any) -> Iterator[types.ModuleType]:
     """Install a fake ``pynvml`` in ``sys.modules`` for the duration of a ``with`` block.
