@@ -183,6 +183,28 @@ def test_shared_guard_restores_every_stage(tmp_path: Path) -> None:
     assert [g.sm_clock_locked() for g in sim.gpus] == [None, None]
 
 
+def test_a_clock_another_controller_locked_on_the_gpu_is_locked_again(tmp_path: Path) -> None:
+    # Two stages on one GPU (two ranks, or MIG instances of it) sharing a guard: a skip of a
+    # repeated clock must not trust a lock that the other one has since replaced.
+    sim = Simulator("A100")
+    gpu = sim.gpus[0]
+    guard = RestoreGuard([gpu], journal_dir=tmp_path, handle_signals=False)
+    fast = [{"computation": k, "microbatch": 0, "frequency": 1410} for k in ("forward", "backward")]
+    slow = [{"computation": k, "microbatch": 0, "frequency": 1005} for k in ("forward", "backward")]
+    a = FrequencyController(gpu, fast, guard=guard)
+    b = FrequencyController(gpu, slow, guard=guard)
+    a.on_instruction_begin("forward", 0)
+    a.on_instruction_end("forward", 0)
+    b.on_instruction_begin("forward", 0)
+    b.on_instruction_end("forward", 0)
+    assert a.locked_mhz is None  # its lock was replaced
+    assert a.on_instruction_begin("backward", 0) == 1410.0
+    assert gpu.sm_clock_locked() == (1410.0, 1410.0) and a.stats.locks_skipped == 0
+    a.on_instruction_end("backward", 0)
+    assert a.on_instruction_begin("forward", 0) == 1410.0 and a.stats.locks_skipped == 1
+    guard.restore()
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_clock_reset_through_a_shared_guard_is_locked_again(tmp_path: Path, asynchronous: bool) -> None:
     sim = Simulator("A100x2")

@@ -432,6 +432,7 @@ class _Entry:
         self.applied_power_limit_w: float | None = None  # the limit set last, and when
         self.applied_at: float | None = None
         self.sm_clock_locked = False
+        self.sm_clock_range: tuple[float, float] | None = None  # the range this guard locked last
 
     def empty(self) -> bool:
         return self.original_power_limit_w is None and not self.sm_clock_locked
@@ -535,13 +536,17 @@ class RestoreGuard:
                 for e in self._entries.values()
             ]
 
-    def holds_sm_clock(self, gpu: GPU) -> bool:
-        """Whether this guard has ``gpu``'s SM clock locked and not yet reset (no device call).
+    def holds_sm_clock(self, gpu: GPU, mhz_range: tuple[float, float] | None = None) -> bool:
+        """Whether this guard has ``gpu``'s SM clock locked (to ``mhz_range``, if given), not reset.
 
-        Lock-free: one dictionary lookup, cheap enough to check before every computation.
+        No device call: lock-free, one dictionary lookup, cheap enough to check before every
+        computation. The range is the one locked last through this guard (by whichever of
+        the components sharing it).
         """
         entry = self._entries.get(gpu.control_uuid)
-        return entry is not None and entry.sm_clock_locked
+        if entry is None or not entry.sm_clock_locked:
+            return False
+        return mhz_range is None or entry.sm_clock_range == (float(mhz_range[0]), float(mhz_range[1]))
 
     @property
     def journal_path(self) -> Path | None:
@@ -639,6 +644,7 @@ class RestoreGuard:
                         entry.sm_clock_locked = False
                         self._forget(entry)
                     raise
+                entry.sm_clock_range = (float(min_mhz), float(max_mhz))
 
     def restore(self, gpu: GPU | None = None) -> list[str]:
         """Put every changed GPU back (or only ``gpu``); idempotent.
@@ -702,6 +708,7 @@ class RestoreGuard:
             logger.info("joules: GPU %d (%s): %s", gpu.index, gpu.uuid, message)
         if done.clock_done:
             entry.sm_clock_locked = False
+            entry.sm_clock_range = None
         if done.power_done:
             entry.original_power_limit_w = entry.applied_power_limit_w = entry.applied_at = None
         return [f"GPU {gpu.index} ({gpu.uuid}): {e}" for e in done.failed]

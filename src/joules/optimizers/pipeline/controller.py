@@ -396,12 +396,17 @@ class FrequencyController:
     def _lock_in_place(self) -> bool:
         """Whether the clock this controller locked (or posted) is still locked, or on its way.
 
-        The guard may have reset it behind this controller's back: a :meth:`restore` of
-        another controller sharing the guard, or the guard's own restore. Only the guard's
-        record is read (no device call), so a repeated clock still costs no driver call.
+        The guard may have reset it, or locked another clock, behind this controller's back:
+        a :meth:`restore` or a lock of another controller sharing the guard, or the guard's
+        own restore. Only the guard's record is read (no device call), so a repeated clock
+        still costs no driver call. (Another process locking the same GPU is not seen: real
+        drivers do not report a locked range.)
         """
-        if self.guard is None or self.guard.holds_sm_clock(self.gpu):  # dry run: nothing to reset
+        mhz = self._locked_mhz
+        if self.guard is None:  # dry run: nothing to reset
             return True
+        if mhz is not None and self.guard.holds_sm_clock(self.gpu, (mhz, mhz)):
+            return True  # (not when another component sharing the guard locked another clock)
         if self.asynchronous:
             with self._cond:
                 return self._wanted is not None or self._busy  # the clock posted is on its way

@@ -274,7 +274,7 @@ class StageProfiler:
             m = self.monitor.end_window(self._gap)
             self._segments.append((m.start_time, m.start_time + m.elapsed_s, 2))
         if self._locked != mhz or (self.guard is not None and not self.dry_run
-                                   and not self.guard.holds_sm_clock(self.gpu)):
+                                   and not self.guard.holds_sm_clock(self.gpu, (mhz, mhz))):
             self._lock(mhz)  # (again, when something reset the clock through a shared guard)
         self.monitor.begin_window(self._window)
         self._running = (kind, int(microbatch))
