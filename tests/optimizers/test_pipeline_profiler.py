@@ -99,6 +99,41 @@ def test_profiles_each_clock_as_training_runs_and_matches_the_hardware(rig) -> N
             assert sum(s.frequency == int(round(f)) and s.computation == kind for s in kept) >= 3
 
 
+def test_warmup_computations_are_left_out_of_the_energies_too(rig) -> None:
+    # A clock that takes effect late: the first forward and backward after each change still
+    # run at the previous clock. They are left out of the times, and must be out of the
+    # counter fit that attributes the energies as well.
+    sim, mon, guard = rig
+    gpu, work, clocks = sim.gpus[0], WORK[0], [1410, 1200, 1005, 810]
+    prof = StageProfiler(mon, stage=0, gpu=0, frequencies=clocks, guard=guard)
+    assert prof.warmup == 1
+    begun: dict[float, dict[str, int]] = {}
+    previous = current = None
+    while not prof.done:
+        for kind, mb in stage_order(2, 4, 1):
+            f = prof.on_instruction_begin(kind, mb)
+            if f is None:
+                break
+            if f != current:
+                previous, current = current, f
+            n = begun.setdefault(f, {"forward": 0, "backward": 0})
+            n[kind] += 1
+            late = previous is not None and n[kind] <= prof.warmup
+            if late:
+                gpu.lock_sm_clock(previous, previous)
+            run_computation(sim, gpu, work, kind)
+            if late:
+                gpu.lock_sm_clock(f, f)
+            prof.on_instruction_end(kind, mb)
+            sim.advance(GAP_S)
+    measured = prof.profile()
+    assert prof.attributed == sorted(clocks)
+    truth = profile_simulated(Simulator("A100"), [work], frequencies=clocks)
+    for kind in ("forward", "backward"):
+        for g, w in zip(measured.of(0, kind), truth.of(0, kind), strict=True):
+            assert g.energy_j == pytest.approx(w.energy_j, rel=0.01)
+
+
 def test_without_enough_counter_updates_energies_come_from_the_windows(rig) -> None:
     sim, mon, guard = rig
     gpu = sim.gpus[0]

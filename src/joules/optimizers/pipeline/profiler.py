@@ -296,12 +296,14 @@ class StageProfiler:
         self._running = None
         kind, mb = key
         self._seen[kind] += 1
-        self._segments.append((m.start_time, m.start_time + m.elapsed_s, KINDS.index(kind)))
         if self._seen[kind] > self.warmup:
+            # (a warm-up computation is in no fit interval either: one that overlaps it is not
+            # accounted for in full, and is left out)
+            self._segments.append((m.start_time, m.start_time + m.elapsed_s, KINDS.index(kind)))
             mhz = self.frequencies[self._index]
             self._samples.append(Sample(kind, mb, int(round(mhz)), m.elapsed_s,
                                         m.gpu_energy_j.get(self.gpu.index, 0.0)))
-        span = self._segments[-1][1] - self._segments[0][0]
+        span = self._segments[-1][1] - self._segments[0][0] if self._segments else 0.0
         if all(n >= self.warmup + self.samples for n in self._seen.values()) and span >= self.min_span_s:
             mhz = int(round(self.frequencies[self._index]))
             # A clock whose intervals do not tell the kinds apart yet (work in step with the
