@@ -699,3 +699,13 @@ def test_asynchronous_job_stopped_by_sigterm_leaves_no_lock(tmp_path: Path) -> N
     assert p.returncode == -signal.SIGTERM, err
     assert _lock(state) is None
     assert journals(tmp_path / "joules-state" / "restore") == []
+
+
+def test_instruction_objects_are_checked_like_dicts() -> None:
+    gpu = Simulator("A100").gpus[0]
+    ctl = FrequencyController(gpu, [Instruction("F", 0, 1410), Instruction("B", 0, 1200)], dry_run=True)
+    assert ctl.on_instruction_begin("forward", 0) == 1410.0
+    ctl.on_instruction_end("forward", 0)
+    assert ctl.on_instruction_begin("backward", 0) == 1200.0
+    with pytest.raises(PlanError, match="malformed"):
+        FrequencyController(gpu, [Instruction("sideways", 0, 1410)], dry_run=True)

@@ -131,21 +131,20 @@ def parse_instructions(instructions: Sequence[Mapping[str, object] | Instruction
     parsed: list[Instruction] = []
     seen: set[tuple[Kind, int]] = set()
     for i, raw in enumerate(instructions):
-        if isinstance(raw, Instruction):
-            ins = raw
-        else:
-            try:
-                kind = normalize_kind(str(raw["computation"]))
-                mb, freq = raw["microbatch"], raw["frequency"]
-                if isinstance(mb, bool) or not isinstance(mb, int | float | str):
-                    raise TypeError(f"microbatch {mb!r}")
-                if isinstance(freq, bool) or not isinstance(freq, int | float | str):
-                    raise TypeError(f"frequency {freq!r}")
-                if float(mb) != int(float(mb)):
-                    raise ValueError(f"microbatch {mb!r} is not a whole number")
-                ins = Instruction(kind, int(float(mb)), int(float(freq)))
-            except (KeyError, TypeError, ValueError, OverflowError) as e:
-                raise PlanError(f"instruction {i} ({raw!r}) is malformed: {type(e).__name__}: {e}") from None
+        if isinstance(raw, Instruction):  # checked like a dict ("F" is "forward" in both)
+            raw = raw.to_dict()
+        try:
+            kind = normalize_kind(str(raw["computation"]))
+            mb, freq = raw["microbatch"], raw["frequency"]
+            if isinstance(mb, bool) or not isinstance(mb, int | float | str):
+                raise TypeError(f"microbatch {mb!r}")
+            if isinstance(freq, bool) or not isinstance(freq, int | float | str):
+                raise TypeError(f"frequency {freq!r}")
+            if float(mb) != int(float(mb)):
+                raise ValueError(f"microbatch {mb!r} is not a whole number")
+            ins = Instruction(kind, int(float(mb)), int(float(freq)))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise PlanError(f"instruction {i} ({raw!r}) is malformed: {type(e).__name__}: {e}") from None
         if ins.microbatch < 0 or ins.frequency <= 0:
             raise PlanError(f"instruction {i} ({ins}) needs a microbatch >= 0 and a positive frequency")
         if ins.key in seen:
