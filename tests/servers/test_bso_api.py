@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,6 +13,7 @@ from bso_helpers import Served, check_policy_consistent, db_view, metric_value, 
 
 from joules.optimizers.batch_size.types import trial_cost
 from joules.servers.batch_size.schemas import EpochAnswer, JobOut, JobState, TrialOut
+from joules.testing.bso_server import ServerProcess
 
 
 def report(c: httpx.Client, job: str, trial: str, epoch: int, time_s: float = 10.0, energy_j: float = 2000.0,
@@ -349,3 +353,43 @@ def test_a_conflicting_spec_names_only_the_fields_that_differ() -> None:
     old = JobCreate.model_validate(spec("j", knobs={"lr": 0.1, "optimizer": "adam"}))
     new = JobCreate.model_validate(spec("j", knobs={"optimizer": "adam", "lr": 0.1}, max_epochs=7))
     assert "(differs in: max_epochs)" in _spec_difference("j", old, new)
+
+
+def test_a_deeply_nested_body_is_a_422_not_a_500(bso_server: Served) -> None:
+    # Valid JSON, nested hundreds deep in a field the schema does not know: echoing it back
+    # in the 422's detail must not exhaust the stack.
+    body = spec()
+    body["extra"] = json.loads("[" * 700 + "]" * 700)
+    with bso_server.client() as c:
+        r = c.post("/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert "..." in r.text
+
+
+def test_health_and_metrics_answer_while_the_database_is_locked(tmp_path: Path) -> None:
+    # Another process holds SQLite's write lock; a request waits for it (up to a minute),
+    # holding the one thread (and the one connection) the API's requests share. /metrics
+    # needs no database: it answers at once. /healthz answers within its 5 s, 503 if the
+    # database has not answered by then (here: its connection is the waiting request's).
+    import sqlite3
+
+    db = tmp_path / "bso.sqlite"
+    with ServerProcess(f"sqlite:///{db}", tmp_path / "server.log") as server:
+        url = server.url
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        waiting = threading.Thread(target=lambda: httpx.post(f"{url}/jobs", json=spec(), timeout=90))
+        waiting.start()
+        try:
+            time.sleep(1.0)  # the POST now waits for the lock
+            with httpx.Client(base_url=url, timeout=10) as c:
+                t0 = time.monotonic()
+                assert c.get("/metrics").status_code == 200
+                assert time.monotonic() - t0 < 2.0
+                health = c.get("/healthz")
+                assert health.status_code == 503 and "no answer within 5 s" in health.text
+                assert time.monotonic() - t0 < 8.0
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+            waiting.join(timeout=90)

@@ -21,6 +21,19 @@ def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def test_an_empty_token_variable_is_refused_not_taken_for_no_token(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deployment whose secret failed to load must not serve /jobs to anyone.
+    monkeypatch.setenv("JOULES_SERVER_TOKEN", "")
+    code, err = serve(capsys, "--port", str(free_port()))
+    assert code == 2 and "--token (or $JOULES_SERVER_TOKEN) is empty" in err
+    from joules.servers.batch_size.app import app_from_env
+
+    monkeypatch.setenv("JOULES_SERVER_DB", "postgresql://u@nowhere.invalid/db")
+    with pytest.raises(ValueError, match="the token is empty"):
+        app_from_env()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--db", "mysql://u@localhost/db"], "unsupported database 'mysql'"),
     (["--db", "sqlite://"], "in-memory SQLite"),
@@ -34,6 +47,7 @@ def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (["--token", "sécret"], "--token (or $JOULES_SERVER_TOKEN) has characters other than printable ASCII"),
     (["--token", "a\tb"], "--token (or $JOULES_SERVER_TOKEN) has characters other than printable ASCII"),
     (["--port", "0"], "--port"),
+    (["--db", "postgresql://u:s3cret@host:abc/db"], "bad database URL 'postgresql://u:***@host:abc/db'"),
 ])
 def test_bad_input_is_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = [a.replace("{free}", str(free_port())) for a in args]

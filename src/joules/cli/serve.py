@@ -120,6 +120,8 @@ def register(app: typer.Typer) -> None:
         if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise JoulesError(f"bad --log-level {log_level!r}: "
                               "critical, error, warning, info, debug or trace")
+        if token is None and os.environ.get(TOKEN_ENV) == "":
+            token = ""  # (click takes an empty variable for unset: a secret that failed to load)
         if token is not None and (problem := token_problem(token)) is not None:
             raise JoulesError(f"--token (or ${TOKEN_ENV}) {problem}: fix it, or leave the option out")
         if db is None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import anyio
 from anyio import to_thread
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -168,6 +169,8 @@ class MetricsMiddleware:
                 template = scope.get("path")
             template = template or "unmatched"
             method = scope.get("method", "")
+            if method not in _METHODS:  # a client's made-up method would add a series each
+                method = "other"
             self.metrics.requests.labels(method, template, str(status[0])).inc()
             self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)
 
@@ -191,13 +194,22 @@ class _Unauthorized(Exception):
     pass
 
 
-def _json_safe(value: Any) -> Any:
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_MAX_ECHO_DEPTH = 32
+HEALTH_TIMEOUT_S = 5.0
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
     r"""``value`` made writable as JSON text.
 
     Every NaN or infinite float becomes its string (``"nan"``, ``"inf"``), a string that UTF-8
     cannot hold (a lone surrogate, which JSON's ``\ud800`` escapes can make) gets it escaped,
-    and bytes (a body that was not JSON) are decoded, what is not UTF-8 replaced.
+    and bytes (a body that was not JSON) are decoded, what is not UTF-8 replaced. What lies
+    deeper than 32 levels (a body nested hundreds deep) is cut to ``"..."``: echoing it would
+    exhaust the stack.
     """
+    if depth > _MAX_ECHO_DEPTH and isinstance(value, dict | list | tuple):
+        return "..."
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, str):
@@ -209,9 +221,9 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", "replace")
     if isinstance(value, dict):
-        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
+        return {_json_safe(k, depth + 1): _json_safe(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [_json_safe(v, depth + 1) for v in value]
     return value
 
 
@@ -303,16 +315,26 @@ def create_app(
         return JSONResponse(status_code=503, content={"detail": f"database unavailable: {first}"},
                             headers={"Retry-After": "1"})
 
-    @app.get("/healthz", response_model=HealthOut, responses=UNAVAILABLE, tags=["server"])
-    def healthz() -> HealthOut:
-        """Whether the server and its database answer."""
+    health_limiter = anyio.CapacityLimiter(1)  # not behind the API's requests for a thread
+
+    def check_database() -> HealthOut:
         database.ping()
         return HealthOut(status="ok", database=database.url.get_backend_name(),
                          revision=dbm.current_revision(database))
 
+    @app.get("/healthz", response_model=HealthOut, responses=UNAVAILABLE, tags=["server"])
+    async def healthz() -> Any:  # HealthOut, or a 503 JSONResponse
+        """Whether the server and its database answer (503 after 5 s without an answer)."""
+        with anyio.move_on_after(HEALTH_TIMEOUT_S):
+            return await to_thread.run_sync(check_database, limiter=health_limiter,
+                                            abandon_on_cancel=True)
+        return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={
+            "detail": f"database unavailable: no answer within {HEALTH_TIMEOUT_S:g} s"})
+
+    # async: no database work, so it never waits for a thread behind the API's requests.
     @app.get("/metrics", response_class=PlainTextResponse, tags=["server"],
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus metrics."}})
-    def prometheus_metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         """Prometheus metrics: requests, latency, trials started and ended by outcome, epoch reports."""
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -414,6 +436,7 @@ def app_from_env() -> FastAPI:
     ``joules serve --workers N``.
     """
     url = os.environ.get(DB_ENV) or default_database_url()
-    return create_app(url, token=os.environ.get(TOKEN_ENV) or None,
+    token = os.environ.get(TOKEN_ENV)  # set but empty: refused (a secret that failed to load)
+    return create_app(url, token=token,
                       policy_factory=load_policy_factory(os.environ.get(POLICY_ENV)),
                       migrate=os.environ.get(MIGRATED_ENV) != url)

@@ -168,16 +168,16 @@ def normalize_url(database_url: str) -> URL:
         if not raw:
             raise JoulesError("empty database URL")
         if ":" in raw and not re.match(r"^[A-Za-z]:[\\/]", raw):  # a Windows drive is a path, "x:y" a typo
-            raise JoulesError(f"bad database URL {database_url!r}: expected sqlite:///PATH, "
-                              "postgresql://USER@HOST:PORT/DATABASE or a file path")
+            raise JoulesError(f"bad database URL {_hide_password(database_url)!r}: expected "
+                              "sqlite:///PATH, postgresql://USER@HOST:PORT/DATABASE or a file path")
         raw = f"sqlite:///{Path(raw).expanduser().resolve()}"
     if raw.startswith("postgres://"):
         raw = "postgresql://" + raw[len("postgres://"):]
     try:
         url = make_url(raw)
-    except ArgumentError as e:
-        raise JoulesError(f"bad database URL {database_url!r}: expected sqlite:///PATH or "
-                          "postgresql://USER@HOST:PORT/DATABASE") from e
+    except (ArgumentError, ValueError) as e:  # (ValueError: a port that is not a number)
+        raise JoulesError(f"bad database URL {_hide_password(database_url)!r}: expected "
+                          "sqlite:///PATH or postgresql://USER@HOST:PORT/DATABASE") from e
     backend = url.get_backend_name()
     if backend == "postgresql":
         if "+" not in url.drivername:  # no driver named: psycopg 3 (SQLAlchemy 2.0's default is psycopg2)
@@ -204,14 +204,24 @@ def normalize_url(database_url: str) -> URL:
     return url
 
 
+_SECRET_QUERY_KEYS = ("password", "sslpassword")
+
+
 def safe_url(url: URL | str) -> str:
-    """The URL with its password hidden."""
+    """The URL with its password hidden (also one given as a query parameter)."""
     if isinstance(url, str):
         try:
             url = make_url(url)
-        except ArgumentError:
+        except (ArgumentError, ValueError):
             return "<unparsable URL>"
-    return url.render_as_string(hide_password=True)
+    return _hide_password(url.render_as_string(hide_password=True))
+
+
+def _hide_password(text: str) -> str:
+    """A URL that does not parse, with whatever looks like a password in it hidden."""
+    text = re.sub(r"(^|://)([^:/@]*:)[^@/]*@", r"\1\2***@", text)
+    keys = "|".join(_SECRET_QUERY_KEYS)
+    return re.sub(rf"([?&](?:{keys})=)[^&]*", r"\1***", text)
 
 
 def _sqlite_setup(engine: Engine) -> None:
