@@ -214,12 +214,19 @@ class EnergyMonitor:
 
     # -- edges ------------------------------------------------------------------------------
     @staticmethod
-    def _interpolated_begin(tracker: CounterTracker, b: _GPUEdge, e: _GPUEdge) -> float:
+    def _interpolated_begin(tracker: CounterTracker, b: _GPUEdge, e: _GPUEdge) -> tuple[float, float]:
         """Energy reading at a window's begin edge, refined once later updates are known.
 
         At the begin edge only the power before it is known; by the end, the counter's next
         update after the edge usually is too, and interpolating between the two updates
-        around the edge is more accurate than extrapolating a power reading.
+        around the edge is more accurate than extrapolating a power reading that lags a load
+        change before the edge. It is less accurate where the load changed at the edge (work
+        starting as the window opens): the interval's average power then did not hold on
+        either side. Which happened cannot be told apart, so the two estimates' difference
+        is returned too, for the bound.
+
+        Returns:
+            The refined reading, and how far it is from the edge's own estimate.
         """
         counter, tick, energy = b.counter, b.tick, b.energy
         after = tracker.update_after(counter)
@@ -232,12 +239,13 @@ class EnergyMonitor:
             power = (b.energy - b.counter) / (b.t - b.tick) if b.t > b.tick else 0.0
             energy = counter + power * (b.t - tick)
         if after is None:
-            return energy
+            return energy, 0.0
         t_next, value = after
         if not (b.t < t_next and value <= e.counter and t_next > tick):
-            return energy
+            return energy, 0.0
         rate = (value - counter) / (t_next - tick)
-        return counter + rate * (b.t - tick)
+        refined = counter + rate * (b.t - tick)
+        return refined, abs(refined - energy)
 
     def _power_now(self, gpu: GPU, t: float) -> float:
         """The power reading at ``t``: the sampler's when provably current, else a fresh read."""
@@ -606,11 +614,12 @@ class EnergyMonitor:
             elif self._counter[k]:
                 tracker = self._trackers[k]
                 assert tracker is not None
-                energy = max(0.0, e.energy - self._interpolated_begin(tracker, b, e))
+                begin_energy, disagreement = self._interpolated_begin(tracker, b, e)
+                energy = max(0.0, e.energy - begin_energy)
                 source = Source.COUNTER
                 # (a counter of unknown period: the tracker's bound on it)
                 corrected = elapsed < (self._periods[k] or tracker.period)
-                uncertainty = b.uncertainty + e.uncertainty
+                uncertainty = b.uncertainty + e.uncertainty + disagreement
                 if corrected:  # no counter update brackets the window: worst case, as estimates
                     uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
             else:
