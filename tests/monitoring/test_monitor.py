@@ -1099,6 +1099,22 @@ def test_a_failed_end_edge_leaves_the_window_open() -> None:
     assert mon.open_windows == []
 
 
+@pytest.mark.parametrize("spec", ["A100,nocpu", "P100,nocpu"])
+def test_a_failed_power_read_of_a_short_window_leaves_it_open(spec: str) -> None:
+    # A window too short for the counter (or the samples) reads the power as it ends.
+    sim, mon = setup(spec, Constant(0.5), skip_reads=False)
+    g = sim.gpus[0]
+    mon.begin_window("w")
+    sim.advance(0.004)
+    g.power_w = lambda: (_ for _ in ()).throw(RuntimeError("NVML: GPU is lost"))  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="GPU is lost"):
+        mon.end_window("w")
+    assert mon.open_windows == ["w"]
+    del g.power_w
+    assert mon.end_window("w").gpu[0].energy_j > 0
+    assert mon.open_windows == []
+
+
 def test_block_windows_cannot_be_cancelled_or_restarted_by_name() -> None:
     sim, mon = setup("A100,nocpu", Constant(0.5))
     with mon.window("epoch") as w:

@@ -396,6 +396,7 @@ class EnergyMonitor:
             del self._windows[key]
         try:
             end = self._edge(begin.name)
+            m = self._measure(begin, end)  # (a short window reads the power here)
         except BaseException:
             # A failed read (or sync) at the end edge leaves a named window open: it can be
             # ended again, or cancelled. A block's window is over with its block.
@@ -404,7 +405,6 @@ class EnergyMonitor:
                     if not self._closed:
                         self._windows.setdefault(key, begin)
             raise
-        m = self._measure(begin, end)
         self.last[m.name] = m
         if self._log is not None:
             try:
