@@ -1115,6 +1115,23 @@ def test_a_failed_power_read_of_a_short_window_leaves_it_open(spec: str) -> None
     assert mon.open_windows == []
 
 
+def test_power_reads_that_fail_for_a_gpu_without_a_counter_fail_the_edge() -> None:
+    # The sampler keeps going past failed reads; the edge must not extrapolate its last good
+    # reading, many seconds old, into a "sampled" result with a tiny bound.
+    sim, mon = setup("P100,nocpu", Constant(0.0))
+    g = sim.gpus[0]
+    mon.begin_window("w")
+    sim.advance(1.0)
+    g.power_w = lambda: (_ for _ in ()).throw(RuntimeError("NVML_ERROR_UNKNOWN"))  # type: ignore[method-assign]
+    sim.set_workload(Constant(1.0))
+    sim.advance(9.0)
+    assert mon.sampler.errors > 100
+    with pytest.raises(RuntimeError, match="NVML_ERROR_UNKNOWN"):
+        mon.end_window("w")
+    assert mon.open_windows == ["w"]
+    mon.cancel_window("w")
+
+
 def test_block_windows_cannot_be_cancelled_or_restarted_by_name() -> None:
     sim, mon = setup("A100,nocpu", Constant(0.5))
     with mon.window("epoch") as w:

@@ -307,6 +307,11 @@ class EnergyMonitor:
             if tracker is None:  # no counter: the sampler's running integral
                 t = now()
                 count, energy, last_t, last_p = sampler.integral_state(gpu.index)
+                if t - last_t > 2 * sampler.interval_s + (gpu.power_update_period_s() or 0.0):
+                    # The sampler's readings stopped (they fail, or its thread cannot run): a
+                    # read here says which, rather than extrapolate an old reading unbounded.
+                    self.reads["power"] += 1
+                    gpu.power_w()
                 # ``counter``/``tick`` keep the integral and time of the latest sample, so the
                 # edge can be revised once the next sample is known (_revised_begin).
                 gpu_edges.append(_GPUEdge(energy + last_p * (t - last_t), 0.0, count, t, energy, last_t))
