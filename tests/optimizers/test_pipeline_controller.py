@@ -709,3 +709,12 @@ def test_instruction_objects_are_checked_like_dicts() -> None:
     assert ctl.on_instruction_begin("backward", 0) == 1200.0
     with pytest.raises(PlanError, match="malformed"):
         FrequencyController(gpu, [Instruction("sideways", 0, 1410)], dry_run=True)
+
+
+def test_one_begin_out_of_order_counts_once(sim: Simulator, tmp_path: Path) -> None:
+    # A begin repeated without its end is both "the previous one still running" and "not the
+    # plan's next": one mismatch, not two.
+    with FrequencyController(sim.gpus[0], PLAN, journal_dir=tmp_path) as ctl:
+        ctl.on_instruction_begin("forward", 0)
+        ctl.on_instruction_begin("forward", 0)
+        assert ctl.stats.out_of_order == 1

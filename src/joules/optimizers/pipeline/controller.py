@@ -475,13 +475,15 @@ class FrequencyController:
         self._raise_pending()
         kind = normalize_kind(computation)
         i = self._lookup(kind, microbatch)
+        out_of_order = self.stats.out_of_order, self._warned_order  # (put back if not begun)
+        mismatch = False
         if self._running is not None:  # the previous computation's end was never reported
             if self.strict:
                 raise PlanMismatchError(
                     f"GPU {self.gpu.index}: {kind} {microbatch} began while {self._running[0]} "
                     f"{self._running[1]} was still running (no on_instruction_end for it)"
                 )
-            self.stats.out_of_order += 1
+            mismatch = True
         expected = self._next % len(self._plan)
         if i != expected:
             if self.strict:
@@ -490,7 +492,7 @@ class FrequencyController:
                     f"GPU {self.gpu.index}: {kind} {microbatch} began, but the plan's next computation "
                     f"is {want.computation} {want.microbatch} (instruction {expected})"
                 )
-            self.stats.out_of_order += 1
+            mismatch = True
             if not self._warned_order:
                 self._warned_order = True
                 want = self._plan[expected]
@@ -500,6 +502,8 @@ class FrequencyController:
                             want.computation, want.microbatch)
             else:
                 log.debug("GPU %d: %s %d out of the plan's order", self.gpu.index, kind, microbatch)
+        if mismatch:  # one call out of order counts once, whatever is wrong with it
+            self.stats.out_of_order += 1
         before = self._next, self._running, self.stats.instructions
         self._next = i + 1
         self._running = (kind, int(microbatch))
@@ -516,6 +520,7 @@ class FrequencyController:
             except BaseException:
                 # Not begun: the same computation may begin again (e.g. after a retry).
                 self._next, self._running, self.stats.instructions = before
+                self.stats.out_of_order, self._warned_order = out_of_order
                 raise
         return mhz
 
