@@ -309,8 +309,13 @@ def test_clocks(sim, nvml):
         a100.lock_sm_clock(100, 1410)
     with pytest.raises(ValueError, match="empty"):
         a100.lock_sm_clock(1000, 900)
-    a100.lock_memory_clock(1215, 1215)
+    a100.lock_sm_clock(210, 1005)
+    a100.lock_memory_clock(1215, 1215)  # (an A100's only memory clock)
+    assert sim.gpus[A100]._mem_lock == (1215.0, 1215.0)
     a100.reset_memory_clock()
+    assert sim.gpus[A100]._mem_lock is None
+    assert sim.gpus[A100].sm_clock_locked() == (210.0, 1005.0)  # the SM lock is another one
+    a100.reset_sm_clock()
     with pytest.raises(ValueError, match="memory clock range"):
         a100.lock_memory_clock(2000, 2000)
     assert 28.0 <= a100.temperature_c() <= 70.0

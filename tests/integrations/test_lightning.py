@@ -109,7 +109,7 @@ def test_trainer_profiles_picks_a_limit_runs_at_it_and_restores():
 @pytest.mark.parametrize("weights_only", [False, True])
 def test_checkpoint_saving_pauses_the_measurement(tmp_path, weights_only: bool):
     """Also weights-only checkpoints, for which Lightning calls no callback's on_save_checkpoint."""
-    sim, opt, work, trainer = setup(max_epochs=6, limit_val_batches=0)
+    sim, opt, work, trainer = setup(max_epochs=16, limit_val_batches=0)
     saved: list[State] = []
     model = MLP()
 
@@ -123,6 +123,7 @@ def test_checkpoint_saving_pauses_the_measurement(tmp_path, weights_only: bool):
     trainer.callbacks.append(SaveEvery4())
     trainer.fit(model, loader(176))
     assert State.PROFILING in saved or State.WARMUP in saved
+    assert opt.chosen_limit_w is not None and len(opt.points) >= 3  # checkpoints did not stop it
     for limit, p in opt.points.items():
         assert p.time_s == pytest.approx(truth(limit).time_s, rel=1e-2)
     assert sim.gpus[0].power_limit_w() == PRESET_W

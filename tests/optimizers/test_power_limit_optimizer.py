@@ -95,7 +95,8 @@ def test_epoch_boundary_in_the_middle_of_a_profile_is_paused_not_measured():
     # epoch ends with 30 s of evaluation that must not be counted.
     sim, monitor, opt = make("A100", selector="energy", warmup_steps=2)
     train(sim, opt, epochs=60, steps=7, eval_s=30.0)
-    assert opt.state is State.DONE
+    assert opt.state is State.DONE and opt.chosen_limit_w is not None and len(opt.points) >= 3
+    assert opt.chosen_limit_w == min(opt.points, key=lambda w: truth("A100", w).energy_j)
     for limit, p in opt.points.items():
         assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
         assert p.energy_j == pytest.approx(truth("A100", limit).energy_j, rel=1e-2)
@@ -107,6 +108,7 @@ def test_on_step_begin_is_optional():
     while opt.state is not State.DONE:
         sim.run(WORK_S, CF)
         opt.on_step_end()
+    assert opt.chosen_limit_w is not None and len(opt.points) >= 3
     for limit, p in opt.points.items():
         assert p.time_s == pytest.approx(truth("A100", limit).time_s, rel=2e-3)
     opt.on_train_end()
@@ -128,6 +130,7 @@ def test_several_gpus_in_one_process_share_the_limit_and_energy_adds_up():
     train(sim, opt, epochs=1, steps=300, limits_seen=seen)
     assert opt.total_gpus == 2
     assert all(a == b for a, b in seen)
+    assert opt.chosen_limit_w is not None and len(opt.points) >= 3
     for limit, p in opt.points.items():
         assert p.energy_j == pytest.approx(truth("A100x2", limit).energy_j, rel=5e-3)
     assert [g.power_limit_w() for g in sim.gpus] == [400.0, 400.0]
