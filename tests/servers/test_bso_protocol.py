@@ -56,4 +56,3 @@ def test_the_fast_parser_is_used_when_installed() -> None:
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
     assert issubclass(cls, Base) and cls.__name__ == f"NoDelay{Base.__name__}"
-

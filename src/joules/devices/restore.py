@@ -749,22 +749,10 @@ class RestoreGuard:
         A job killed after this guard was made (its journal ignored then, as it ran) must not
         have its lowered limit taken for the GPU's original.
         """
-        try:
-            paths = sorted(sorted(self.journal_dir.glob("*.json")), key=_path_age, reverse=True)
-        except OSError:
-            return
-        mine = f"{_journal_host()}-{os.getpid()}-"
-        by_uuid: dict[str, GPU] = {}
-        for g in [*self.gpus, gpu]:  # as at the guard's start (journals name control_uuid)
-            by_uuid.setdefault(g.uuid, g)
-            by_uuid.setdefault(g.control_uuid, g)
-        for path in paths:
-            if path.name.startswith(mine):
-                continue
-            for line in _recover_journal(path, by_uuid, _hostname()):
-                if line.kind in ("restored", "failed", "corrupt"):
-                    self.recovered.append(line.message)
-                    logger.warning("joules: %s", line.message)
+        for line in _recover_in(self.journal_dir, [*self.gpus, gpu]):
+            if line.kind in ("restored", "failed"):  # (the rest was said when the guard was made)
+                self.recovered.append(line.message)
+                logger.warning("joules: %s", line.message)
 
     def _forget(self, entry: _Entry) -> None:
         """Drop an entry with nothing left to restore, and the journal and hooks if none is left."""
@@ -988,17 +976,26 @@ def recover_report(gpus: Sequence[GPU], journal_dir: str | Path | None = None) -
     directory = Path(journal_dir) if journal_dir is not None else default_journal_dir()
     if not directory.is_dir():
         return []
+    with _directory_lock(directory):
+        return _recover_in(directory, gpus)
+
+
+def _recover_in(directory: Path, gpus: Sequence[GPU]) -> list[RecoveryLine]:
+    """:func:`recover_report`'s work, the directory lock held."""
     # Journals name the physical GPU (control_uuid); older ones a MIG instance's own UUID.
     by_uuid = {g.uuid: g for g in gpus}
     for g in gpus:
         by_uuid.setdefault(g.control_uuid, g)
     host = _hostname()
     lines: list[RecoveryLine] = []
-    with _directory_lock(directory):
-        # The newest first: where several journals name one GPU, the oldest one's original
-        # (the limit it had before any of those processes changed it) is applied last.
-        for path in sorted(sorted(directory.glob("*.json")), key=_path_age, reverse=True):
-            lines += _recover_journal(path, by_uuid, host)
+    try:
+        paths = sorted(directory.glob("*.json"))
+    except OSError:
+        return lines
+    # The newest first: where several journals name one GPU, the oldest one's original (the
+    # limit it had before any of those processes changed it) is applied last.
+    for path in sorted(paths, key=_path_age, reverse=True):
+        lines += _recover_journal(path, by_uuid, host)
     return lines
 
 

@@ -28,6 +28,7 @@ from joules.devices.sim.gpu import SimGPU
 from joules.filelock import exclusive
 
 FORMAT = 1
+_SETTINGS = ("power_limit_w", "sm_clock_lock_mhz")
 
 
 class SimStateFile:
@@ -67,14 +68,10 @@ class SimStateFile:
         entry = self.load().get(str(gpu.index))
         if entry is None or entry.get("uuid") != gpu.uuid:
             return
-        limit, lock = _limit(entry), _lock(entry)
-        known = self._known.setdefault(str(gpu.index), {})
-        changed_limit = "power_limit_w" in entry and entry["power_limit_w"] != known.get("power_limit_w")
-        changed_lock = entry.get("sm_clock_lock_mhz") != known.get("sm_clock_lock_mhz", False)
-        known.update(power_limit_w=entry.get("power_limit_w"),
-                     sm_clock_lock_mhz=entry.get("sm_clock_lock_mhz"))
-        gpu.sync_control_state(limit if changed_limit else None,
-                               lock if changed_lock else gpu._sm_lock)
+        self._known[str(gpu.index)] = {k: entry.get(k) for k in _SETTINGS}
+        # The file has every process's changes: it is the GPU's setting (a malformed lock aside).
+        lock = _lock(entry) if entry.get("sm_clock_lock_mhz") is None or _lock(entry) else gpu._sm_lock
+        gpu.sync_control_state(_limit(entry), lock)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -128,8 +125,7 @@ class SimStateFile:
             entry = recorded.get(str(gpu.index))
             if entry is not None and entry.get("uuid") == gpu.uuid:
                 gpu.load_control_state(_limit(entry), _lock(entry))  # a malformed entry is ignored
-                self._known[str(gpu.index)] = {"power_limit_w": entry.get("power_limit_w"),
-                                               "sm_clock_lock_mhz": entry.get("sm_clock_lock_mhz")}
+                self._known[str(gpu.index)] = {k: entry.get(k) for k in _SETTINGS}
             self._versions[gpu.index] = version
             gpu.on_change = self.save
             gpu.on_read = self.refresh
