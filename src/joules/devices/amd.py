@@ -35,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from joules.clock import Clock, RealClock
-from joules.devices.base import GPU, Problem, fork_safe_lock
+from joules.devices.base import GPU, Problem, WrappingCounter, fork_safe_lock
 from joules.errors import DevicePermissionError, JoulesError, NotSupportedError
 
 #: amdsmi status codes (``amdsmi_status_t``) that map to joules errors.
@@ -132,8 +132,7 @@ class AMDGPU(GPU):
         self._cap_handle = handle
         self._control_uuid = self.uuid
         self._energy_lock = fork_safe_lock(self, "_energy_lock")
-        self._ticks_last: int | None = None
-        self._ticks_base = 0
+        self._ticks_32 = WrappingCounter(_WRAP_32)
         self._ticks_64bit = False
         self.secondary_die = self._is_secondary_die()
         if self.secondary_die:
@@ -256,10 +255,7 @@ class AMDGPU(GPU):
         """
         if ticks >= _WRAP_32:
             self._ticks_64bit = True
-        elif not self._ticks_64bit and self._ticks_last is not None and ticks < self._ticks_last:
-            self._ticks_base += _WRAP_32
-        self._ticks_last = ticks
-        return self._ticks_base + ticks
+        return ticks if self._ticks_64bit else self._ticks_32.update(ticks)
 
     def has_energy_counter(self) -> bool:
         return self._counter_ok
