@@ -597,9 +597,7 @@ def _fields(error: ValidationError) -> str:
 
 def _spec_difference(name: str, old: JobCreate, new: JobCreate) -> str:
     a, b = old.model_dump(mode="json"), new.model_dump(mode="json")
-    def canon(v: object) -> str:
-        return json.dumps(v, sort_keys=True)
-
-    fields = [k for k in a if a[k] != b.get(k) or canon(a[k]) != canon(b.get(k))]
+    # (as _canonical compares specs: key order aside, 1 and 1.0 or true and 1 differ)
+    fields = [k for k in a if json.dumps(a[k], sort_keys=True) != json.dumps(b.get(k), sort_keys=True)]
     return (f"job {name!r} is already registered with another spec (differs in: {', '.join(fields)}); "
             "register under a new name")
