@@ -598,12 +598,8 @@ class PowerLimitOptimizer:
                 ) from None
 
     def _make_selector(self) -> Selector:
-        spec = self._selector_spec
-        if isinstance(spec, Selector):
-            return spec
-        if isinstance(spec, str):
-            return parse_selector(spec, self.total_gpus)
-        raise ValueError(f"selector must be a Selector or a string, got {type(spec).__name__}")
+        spec = self._selector_spec  # (checked by __init__)
+        return spec if isinstance(spec, Selector) else parse_selector(spec, self.total_gpus)
 
     def _make_search(self) -> Search:
         assert self.selector is not None
