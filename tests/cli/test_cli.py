@@ -92,6 +92,49 @@ def test_measure_table_goes_to_stderr_and_exit_code_passes_through() -> None:
     assert "GPU 0" in r.stderr and "total" in r.stderr
 
 
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The body rows of a rich table in ``text``: first cell -> the other cells."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("\u2502")[1:-1]]
+        if len(cells) == 5 and cells[0] and cells[0] != "device":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def check_energy_table(text: str, idle_w: dict[str, float]) -> float:
+    """The energy table's numbers agree with each other and with the idle powers; its time, s."""
+    rows = table_rows(text)
+    assert set(rows) == {*idle_w, "total"}, text
+    seconds = float(rows["total"][3].removeprefix("time ").removesuffix(" s"))
+    for name, watts in idle_w.items():
+        energy, bound, power, source = rows[name]
+        assert float(power) == pytest.approx(watts, rel=0.1), (name, text)
+        assert float(energy) == pytest.approx(float(power) * seconds, rel=0.01, abs=0.01), (name, text)
+        assert 0 <= float(bound) < 0.2 * float(energy) and source == "counter", (name, text)
+    for column in range(3):  # energy, bound and power add up (to the digits printed)
+        parts = sum(float(rows[name][column]) for name in idle_w)
+        assert float(rows["total"][column]) == pytest.approx(parts, abs=0.011 * len(idle_w)), text
+    return seconds
+
+
+def test_measure_table_numbers_add_up_and_match_the_devices() -> None:
+    r = joules("measure", "--sim", "A100", "--", "sh", "-c", "sleep 0.5")
+    assert r.returncode == 0, r.stderr
+    # An idle simulated A100 draws 55 W; the Xeon 8480 package 95 W and its DRAM 12 W.
+    seconds = check_energy_table(r.stderr, {"GPU 0": 55.0, "CPU 0": 95.0, "DRAM 0": 12.0})
+    assert 0.5 <= seconds < 3.0
+
+
+def test_power_table_numbers_add_up_and_match_the_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["power", "--sim", "V100", "--interval", "0.1", "--duration", "0.35"]) == 0
+    out = capsys.readouterr().out
+    readings = [line for line in out.splitlines() if line.endswith(" W")]
+    assert len(readings) >= 2 and all("gpu0 40.0 W" in line for line in readings), out  # idle V100
+    seconds = check_energy_table(out, {"GPU 0": 40.0, "CPU 0": 95.0, "DRAM 0": 12.0})
+    assert seconds == pytest.approx(0.35, abs=0.2)
+
+
 def test_measure_command_killed_by_signal() -> None:
     r = joules("measure", "--sim", "A100", "--", "sh", "-c", "kill -TERM $$")
     assert r.returncode == 128 + 15

@@ -11,7 +11,7 @@ import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -44,6 +44,9 @@ class _GPUEdge:
     tick: float = math.nan  # estimated time of the update that produced ``counter``
     resets: int = 0  # counter resets the tracker had seen by the edge
     integral: float = math.nan  # sampler's running integral of sampled power at the edge, J
+    half: float = math.nan  # half width of ``tick``'s estimate
+    power: float = math.nan  # the power reading extrapolated from ``tick``, W
+    spread: float = math.nan  # how far the power may differ from it, W
 
 
 @dataclass(slots=True)
@@ -214,6 +217,26 @@ class EnergyMonitor:
 
     # -- edges ------------------------------------------------------------------------------
     @staticmethod
+    def _reanchored(tracker: CounterTracker, b: _GPUEdge) -> _GPUEdge:
+        """A begin edge whose update time is estimated again, with the phase known by the end.
+
+        An edge read before the counter's phase was learned (a window opened as the monitor
+        starts, as ``joules measure``'s does) placed the update behind its value anywhere in
+        the period before the read, and extrapolated from the middle of it: up to half a
+        period of power off, and bounded by as much. By the window's end the phase is usually
+        known, and the same observation places that update within a few milliseconds.
+        """
+        known = tracker.update_of(b.counter)
+        if known is None or not known[1] < b.half or not math.isfinite(b.power):
+            return b
+        tick, half = known
+        since = b.t - tick if b.t > tick else 0.0
+        return replace(
+            b, energy=b.counter + b.power * since, tick=tick, half=half,
+            uncertainty=b.spread * since + b.power * half + _GPU_COUNTER_RESOLUTION_J,
+        )
+
+    @staticmethod
     def _interpolated_begin(tracker: CounterTracker, b: _GPUEdge, e: _GPUEdge) -> tuple[float, float]:
         """Energy reading at a window's begin edge, refined once later updates are known.
 
@@ -344,6 +367,7 @@ class EnergyMonitor:
                 spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
                 # The sampled-power integral too: the fallback should the counter reset.
                 samples, t, c, tick, tracker.resets, sampler.integral_now(gpu.index, t),
+                half_width, power, spread,
             ))
         t = now()
         cpu = [c.package_energy_j() for c in self.cpus]
@@ -619,6 +643,7 @@ class EnergyMonitor:
             elif self._counter[k]:
                 tracker = self._trackers[k]
                 assert tracker is not None
+                b = self._reanchored(tracker, b)
                 begin_energy, disagreement = self._interpolated_begin(tracker, b, e)
                 energy = max(0.0, e.energy - begin_energy)
                 source = Source.COUNTER

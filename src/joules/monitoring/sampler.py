@@ -258,6 +258,24 @@ class CounterTracker:
             new, lo, hi = self._changes[i]
             return self._estimate(lo, hi)[0], new
 
+    def update_of(self, value: float) -> tuple[float, float] | None:
+        """When the remembered update that produced ``value`` happened, with the phase as now known.
+
+        An edge that read ``value`` before the phase was learned placed its update anywhere in
+        the period before the read; once the phase is known, the same observation narrows it.
+
+        Returns:
+            ``(estimate, half_width)``, or ``None`` when ``value`` is no longer remembered.
+        """
+        with self._lock:
+            i = bisect.bisect_left(self._values, value)
+            if i == len(self._values) or self._values[i] != value:
+                return None
+            _, lo, hi = self._changes[i]
+            if lo == -math.inf:
+                return None
+            return self._estimate(lo, hi)
+
     def updates(self, start: float, end: float) -> list[tuple[float, float, float]]:
         """Remembered updates estimated within ``[start, end]``, oldest first.
 
