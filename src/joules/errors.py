@@ -25,3 +25,7 @@ class InvalidSpecError(JoulesError, ValueError):
 
 class WindowError(JoulesError):
     """A measurement window was misused (ended twice, never begun, name reused while open)."""
+
+
+class NothingMeasuredWarning(RuntimeWarning):
+    """A monitor found no GPU and no CPU package to measure: every window would read 0 J."""

@@ -112,9 +112,9 @@ def check_energy_table(text: str, idle_w: dict[str, float]) -> float:
         assert float(power) == pytest.approx(watts, rel=0.1), (name, text)
         assert float(energy) == pytest.approx(float(power) * seconds, rel=0.01, abs=0.01), (name, text)
         assert 0 <= float(bound) < 0.2 * float(energy) and source == "counter", (name, text)
-    for column in range(3):  # energy, bound and power add up (to the digits printed)
+    for column, digit in enumerate((0.01, 0.01, 0.1)):  # energy, bound, power: they add up, as printed
         parts = sum(float(rows[name][column]) for name in idle_w)
-        assert float(rows["total"][column]) == pytest.approx(parts, abs=0.011 * len(idle_w)), text
+        assert float(rows["total"][column]) == pytest.approx(parts, abs=0.6 * digit * len(idle_w)), text
     return seconds
 
 

@@ -1595,3 +1595,59 @@ def test_a_window_opened_as_the_monitor_starts_is_re_anchored_once_the_phase_is_
         assert_bounded(d, truth["gpu"][0], 0.05 * power * g.model.counter_period_s + 0.01, start)
         assert abs(d.energy_j - truth["gpu"][0]) <= 0.01 * power * g.model.counter_period_s + 0.005, start
         mon.close()
+
+
+def test_measure_without_parentheses_measures_the_function() -> None:
+    """``@monitor.measure`` (no call) took the function for the name: calls returned a function
+    and ran nothing."""
+    import functools
+
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+
+    @mon.measure
+    def step(x: int) -> int:
+        sim.advance(0.5)
+        return 2 * x
+
+    assert step(21) == 42 and step.__name__ == "step"
+    m = mon.last[step.__qualname__]
+    assert m.elapsed_s == pytest.approx(0.5) and m.gpu[0].energy_j > 0
+    # Callables without a __qualname__ get a name too; a name that is not a string is refused.
+    assert mon.measure()(functools.partial(step, 1))() == 2 and "partial" in mon.last
+    with pytest.raises(TypeError, match="name must be a string"):
+        mon.measure(3)  # type: ignore[call-overload]
+    mon.close()
+
+
+def test_a_monitor_that_finds_nothing_to_measure_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from joules.devices.base import Problem
+    from joules.errors import NothingMeasuredWarning
+    from joules.monitoring import monitor as monitor_module
+
+    nothing = DeviceSet(problems=[Problem("nvml", "the NVML library was not found")])
+    monkeypatch.setattr(monitor_module, "discover", lambda sim=None: nothing)
+    with pytest.warns(NothingMeasuredWarning, match=r"\(nvml: the NVML library was not found\), so every"):
+        EnergyMonitor().close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EnergyMonitor([], []).close()  # asked for nothing: no warning
+        EnergyMonitor(devices=nothing).close()
+
+
+def test_a_monitor_dropped_without_close_closes_its_log(tmp_path: Path) -> None:
+    import gc
+    import warnings
+
+    sim = Simulator("A100,nocpu")
+    mon = EnergyMonitor(devices=sim.devices(), log=tmp_path / "w.jsonl")
+    mon.begin_window("w")
+    sim.advance(0.2)
+    mon.end_window("w")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del mon
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+    assert len((tmp_path / "w.jsonl").read_text().splitlines()) == 1

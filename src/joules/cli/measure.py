@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -18,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from joules.cli import SIM_HELP, parse_indices, print_out, use_sim
-from joules.errors import JoulesError
+from joules.errors import JoulesError, NothingMeasuredWarning
 from joules.monitoring.measurement import Measurement
 from joules.monitoring.monitor import EnergyMonitor
 
@@ -104,11 +106,19 @@ def export_timeline(monitor: EnergyMonitor, path: str | None) -> None:
         print(f"joules: warning: could not write the timeline to {path}: {e}", file=sys.stderr)
 
 
-def warn_if_nothing_measured(monitor: EnergyMonitor) -> None:
-    """Say so on stderr when no device was found (every energy would read 0 J)."""
+def open_monitor(*args: Any, **kwargs: Any) -> EnergyMonitor:
+    """An :class:`EnergyMonitor`; one that finds no device to measure is said so on stderr.
+
+    The monitor's own warning (:class:`~joules.errors.NothingMeasuredWarning`) names the
+    library's options; the command line names its own.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NothingMeasuredWarning)
+        monitor = EnergyMonitor(*args, **kwargs)
     if not monitor.gpus and not monitor.cpus:
         print("joules: warning: no GPU or CPU energy readings found, so nothing is measured "
               "(see `joules info`; --sim SPEC simulates devices)", file=sys.stderr)
+    return monitor
 
 
 def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
@@ -212,8 +222,7 @@ def register(app: typer.Typer) -> None:
             raise JoulesError("no command given (usage: joules measure [OPTIONS] -- CMD [ARGS...])")
         check_timeline_path(timeline)
         check_output_path("--log", log, make_dirs=True)
-        monitor = EnergyMonitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
-        warn_if_nothing_measured(monitor)
+        monitor = open_monitor(parse_indices(gpus, "GPU"), parse_indices(cpus, "CPU"), log=log)
         try:
             status, m = run_measured(command, monitor)  # CommandNotRunError: main() exits 126/127
         finally:

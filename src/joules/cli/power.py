@@ -16,7 +16,7 @@ from joules.cli.measure import (
     check_timeline_path,
     export_timeline,
     measurement_table,
-    warn_if_nothing_measured,
+    open_monitor,
 )
 from joules.monitoring.monitor import EnergyMonitor
 
@@ -84,8 +84,7 @@ def register(app: typer.Typer) -> None:
         check_duration("--duration", duration)
         use_sim(sim)
         check_timeline_path(timeline)
-        monitor = EnergyMonitor()
-        warn_if_nothing_measured(monitor)
+        monitor = open_monitor()
         cpu_power = _CpuPower(monitor)
         console = Console()
         start = time.monotonic()

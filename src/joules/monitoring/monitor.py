@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from joules.devices.base import CPU, GPU, DeviceSet, renew_locks_after_fork
 from joules.devices.discovery import discover
-from joules.errors import DeviceNotFoundError, DevicePermissionError, WindowError
+from joules.errors import DeviceNotFoundError, DevicePermissionError, NothingMeasuredWarning, WindowError
 from joules.monitoring.log import WindowLog
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
 from joules.monitoring.sampler import CounterTracker, PowerSampler
@@ -183,6 +183,13 @@ class EnergyMonitor:
         self.clock = self.devices.clock
         self.gpus: list[GPU] = _select(self.devices.gpus, gpu_indices, "GPU")
         self.cpus: list[CPU] = _select_cpus(self.devices.cpus, cpu_indices)
+        defaults = devices is None and gpu_indices is None and cpu_indices is None
+        if defaults and not self.gpus and not self.cpus:
+            found = self.devices.problems
+            why = f" ({found[0].device}: {found[0].message})" if found else ""
+            warnings.warn(f"no GPU or CPU energy readings found{why}, so every window reads 0 J "
+                          "(`joules info` lists the problems and their fixes; sim='A100' or JOULES_SIM "
+                          "simulates devices)", NothingMeasuredWarning, stacklevel=2)
         self._dram = [c.has_dram() for c in self.cpus]
         self._periods = [g.energy_counter_period_s() or 0.0 for g in self.gpus]
         self._ceilings = [_power_ceiling_w(g) for g in self.gpus]
@@ -513,17 +520,35 @@ class EnergyMonitor:
             raise
         handle.measurement = self._end(key)
 
-    def measure(self, name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    @overload
+    def measure(self, name: Callable[P, R]) -> Callable[P, R]: ...
+
+    @overload
+    def measure(self, name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+    def measure(self, name: str | Callable[P, R] | None = None) -> Any:
         """Decorator measuring every call of a function; see :attr:`last` for the result.
 
+        ``@monitor.measure("step")`` names the windows; ``@monitor.measure()`` and
+        ``@monitor.measure`` name them after the function.
         Coroutine functions are measured until the coroutine returns, generator functions
         (sync or async) over their whole iteration: the window opens when iteration starts
         and ends when the generator is exhausted or closed. An exception raised inside
         cancels the window, as in :meth:`window`.
+
+        Raises:
+            TypeError: ``name`` is neither a string, ``None``, nor the function itself.
         """
+        if callable(name):  # used without parentheses: ``name`` is the function
+            return self.measure(None)(name)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"measure(name): name must be a string, got {type(name).__name__}")
 
         def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-            label = name or fn.__qualname__
+            if not callable(fn):
+                raise TypeError(f"measure() decorates a function, got {type(fn).__name__}")
+            label = name or getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) \
+                or type(fn).__qualname__
             wrapper: Callable[..., Any]
 
             if inspect.isasyncgenfunction(fn):
@@ -712,5 +737,7 @@ class EnergyMonitor:
     def __del__(self) -> None:
         try:
             self.sampler.stop()
+            if self._log is not None:
+                self._log.close()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
