@@ -149,3 +149,43 @@ def test_serve_workers_skip_the_migrations_their_parent_ran(tmp_path: Path,
         assert dbm.current_revision(db) == dbm.head_revision()  # plain uvicorn --factory: migrated
     finally:
         db.dispose()
+
+
+def test_a_plain_path_names_exactly_that_file(tmp_path: Path) -> None:
+    """A plain path was pasted into a URL and parsed: "%41" became "A" and "?" cut the name."""
+    for name in ("run%41.sqlite", "what?.sqlite", "a b#c.sqlite"):
+        path = tmp_path / name
+        url = dbm.normalize_url(str(path))
+        assert url.database == str(path)
+        assert dbm.normalize_url(url.render_as_string(hide_password=False)).database == str(path)
+        db = dbm.Database(str(path))
+        try:
+            dbm.upgrade(db)
+        finally:
+            db.dispose()
+        assert path.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".sqlite") == sorted(
+        ["run%41.sqlite", "what?.sqlite", "a b#c.sqlite"])
+
+
+def test_a_database_migrated_by_a_newer_joules_is_a_clear_error(tmp_path: Path) -> None:
+    """Alembic's own error (a traceback from ``joules serve``) named only the revision."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bso.sqlite"
+    db = dbm.Database(str(path))
+    try:
+        dbm.upgrade(db)
+        with db.engine.begin() as conn:
+            conn.execute(text(f"UPDATE {dbm.VERSION_TABLE} SET version_num = '0099'"))
+        unknown = r"at migration 0099, which this version of joules does not know \(its latest is 0003\)"
+        with pytest.raises(JoulesError, match=unknown):
+            dbm.upgrade(db)
+    finally:
+        db.dispose()
+    joules = str(Path(sys.executable).parent / "joules")
+    r = subprocess.run([joules, "serve", "--db", str(path), "--port", "65432"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("joules: error: database") and "0099" in r.stderr, r.stderr

@@ -72,6 +72,18 @@ _MAX_RETRY_AFTER_S = 60.0
 _MAX_BACKOFF_S = 30.0  # the longest wait between retries (before jitter)
 M = TypeVar("M", bound=BaseModel)
 
+
+def _known_fields(model: type[BaseModel], answer: object) -> object:
+    """``answer`` less the fields ``model`` does not know.
+
+    The server's models refuse unknown fields in requests (a misspelt field is a 422). An
+    answer is read leniently, so that a server upgraded before its clients, which answers
+    with fields added since, is still understood.
+    """
+    if not isinstance(answer, dict):
+        return answer
+    return {k: v for k, v in answer.items() if k in model.model_fields}
+
 _STOP_REASONS = {
     "reached": "the target metric was reached",
     "max_epochs": "max_epochs passed without reaching the target metric",
@@ -623,7 +635,9 @@ class BatchSizeOptimizer:
         client's.
         """
         url = f"{self.server_url}{path}"
-        payload = body.model_dump(mode="json") if body is not None else None
+        # Fields never set are not sent: a server older than this client, which
+        # does not know the fields added since, still accepts what it is sent.
+        payload = body.model_dump(mode="json", exclude_unset=True) if body is not None else None
         attempts = (self.retries if retries is None else retries) + 1
         failure = ""
         retry_after: float | None = None
@@ -644,7 +658,7 @@ class BatchSizeOptimizer:
             status = response.status_code
             if status < 400:
                 try:
-                    return model.model_validate(response.json())
+                    return model.model_validate(_known_fields(model, response.json()))
                 except (ValueError, ValidationError) as e:
                     raise ServerError(f"could not {what}: {method} {url} answered {status} with a body "
                                       f"that is not a {model.__name__}: {e}", status) from None

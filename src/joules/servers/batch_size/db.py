@@ -170,14 +170,16 @@ def normalize_url(database_url: str) -> URL:
         if ":" in raw and not re.match(r"^[A-Za-z]:[\\/]", raw):  # a Windows drive is a path, "x:y" a typo
             raise JoulesError(f"bad database URL {_hide_password(database_url)!r}: expected "
                               "sqlite:///PATH, postgresql://USER@HOST:PORT/DATABASE or a file path")
-        raw = f"sqlite:///{Path(raw).expanduser().resolve()}"
-    if raw.startswith("postgres://"):
-        raw = "postgresql://" + raw[len("postgres://"):]
-    try:
-        url = make_url(raw)
-    except (ArgumentError, ValueError) as e:  # (ValueError: a port that is not a number)
-        raise JoulesError(f"bad database URL {_hide_password(database_url)!r}: expected "
-                          "sqlite:///PATH or postgresql://USER@HOST:PORT/DATABASE") from e
+        # The file of that name: built, not parsed (a "%41" or "?" in it is not URL syntax).
+        url = URL.create("sqlite", database=str(Path(raw).expanduser().resolve()))
+    else:
+        if raw.startswith("postgres://"):
+            raw = "postgresql://" + raw[len("postgres://"):]
+        try:
+            url = make_url(raw)
+        except (ArgumentError, ValueError) as e:  # (ValueError: a port that is not a number)
+            raise JoulesError(f"bad database URL {_hide_password(database_url)!r}: expected "
+                              "sqlite:///PATH or postgresql://USER@HOST:PORT/DATABASE") from e
     backend = url.get_backend_name()
     if backend == "postgresql":
         if "+" not in url.drivername:  # no driver named: psycopg 3 (SQLAlchemy 2.0's default is psycopg2)
@@ -377,6 +379,8 @@ def upgrade(db: Database, revision: str = "head") -> None:
     database does the same (and the upgrade runs inside ``BEGIN IMMEDIATE``).
     """
     from alembic import command
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
     def run() -> None:
         with db.engine.connect() as conn:
@@ -384,7 +388,18 @@ def upgrade(db: Database, revision: str = "head") -> None:
             with conn.begin():
                 if not db.is_sqlite:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _ADVISORY_LOCK_KEY})
-                command.upgrade(alembic_config(conn), revision)
+                cfg = alembic_config(conn)
+                current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}) \
+                    .get_current_heads()
+                script = ScriptDirectory.from_config(cfg)
+                known = {r.revision for r in script.walk_revisions()}
+                unknown = [r for r in current if r not in known]
+                if unknown:
+                    raise JoulesError(
+                        f"database {safe_url(db.url)} is at migration {', '.join(unknown)}, which this "
+                        f"version of joules does not know (its latest is {script.get_current_head()}): a "
+                        "newer joules has upgraded it; serve it with that version, or upgrade joules")
+                command.upgrade(cfg, revision)
 
     if db.is_sqlite:
         with _sqlite_file_lock(Path(str(db.url.database) + ".migrate-lock")):
