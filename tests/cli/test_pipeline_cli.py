@@ -409,3 +409,23 @@ def test_profile_with_large_noise_stays_positive_and_plans(tmp_path) -> None:
     assert min(min(o.time_s, o.energy_j) for o in options) > 0
     assert main(["pipeline", "plan", "--profile", str(out), "--stages", "2", "--microbatches", "2",
                  "--out", str(tmp_path / "plans")]) == 0
+
+
+def test_paths_with_brackets_are_printed_as_they_are(tmp_path: Path) -> None:
+    """Paths were rich markup: "[fast]" vanished from what was printed, and "[/b]" was a traceback."""
+    folder = tmp_path / "exp[fast]"
+
+    def joules(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([JOULES, "pipeline", *args], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "COLUMNS": "400"})
+
+    for profile in (folder / "p[/b].csv", folder / "profile[red].csv"):
+        r = joules("profile", "--gpu", "a100", "--stages", "2", "--out", str(profile))
+        assert r.returncode == 0 and f"wrote {profile}:" in r.stdout, r.stdout + r.stderr
+    r = joules("plan", "--profile", str(profile), "--stages", "2", "--microbatches", "2", "--out",
+               str(folder / "plans"))
+    assert r.returncode == 0, r.stderr
+    assert "profile[red].csv:" in r.stdout and f"to {folder / 'plans'}" in r.stdout, r.stdout
+    r = joules("show", str(folder / "plans"), "--out", str(folder / "s[1].svg"))
+    assert r.returncode == 0 and f"wrote {folder / 's[1].svg'}" in r.stdout, r.stdout + r.stderr
+    assert (folder / "s[1].svg").is_file()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from joules.optimizers.pipeline.frontier import timeline
@@ -136,6 +138,37 @@ def test_profile_errors_name_the_line_of_the_file_past_blank_lines(tmp_path) -> 
     path.write_bytes("stage,instruction,frequency,time,energy\r\n\r\n0,forward,x,1,1\r\n".encode("utf-8-sig"))
     with pytest.raises(PipelineProfileError, match="line 3: frequency 'x'"):
         PipelineProfile.from_csv(path)
+    # Blank lines before the header too (the header was taken as missing).
+    path.write_text("\n\nstage,instruction,frequency,time,energy\n0,forward,1410,0.03,6\n0,backward,1410,0.06,12\n"
+                    "0,backward,1200,0.07,abc\n")
+    with pytest.raises(PipelineProfileError, match="line 6: energy 'abc' is not a number"):
+        PipelineProfile.from_csv(path)
+    path.write_text("\nstage,instruction,frequency,time,energy\n0,forward,1410,0.03,6\n0,backward,1410,0.06,12\n")
+    assert PipelineProfile.from_csv(path).options[(0, "backward")][0].energy_j == 12
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ((0, "forward", 1410, math.nan, 3.0), r"time nan must be a positive finite number"),
+    ((0, "forward", 1410, 0.01, math.nan), r"energy nan must be"),
+    ((0, "forward", 1410, -0.01, 3.0), r"time -0.01 must be"),
+    ((0, "forward", 1410, 0.0, 3.0), r"time 0.0 must be"),
+    ((0, "forward", 1410, 0.01, -3.0), r"energy -3.0 must be"),
+    ((0, "forward", 1410, math.inf, 3.0), r"time inf must be"),
+    ((0, "forward", math.nan, 0.01, 3.0), r"frequency nan is not a finite number"),
+    ((0, "forward", 0.2, 0.01, 3.0), r"frequency 0.2 must be positive"),
+    ((-1, "forward", 1410, 0.01, 3.0), r"stage -1 is negative"),
+    ((0.5, "forward", 1410, 0.01, 3.0), r"stage 0.5 is not an integer"),
+    ((0, "fwd", 1410, 0.01, 3.0), r"instruction 'fwd' is not one of"),
+])
+def test_profiles_built_in_code_are_checked_as_files_are(row, message) -> None:
+    """Rows given in code (a profiler's, a synthetic profile's) skipped the file's checks: a NaN
+    was dropped without a word, a negative time gave a frontier of negative times, and the
+    profile was written to a file its own reader refused."""
+    good = [(0, "forward", 1200, 0.04, 5.0), (0, "backward", 1410, 0.06, 12.0)]
+    with pytest.raises(PipelineProfileError, match=r"profile 'p', row .*: " + message):
+        PipelineProfile.from_rows([*good, row], name="p")
+    with pytest.raises(PipelineProfileError, match=r"row \(0, .forward., 900, -0.04.*time -0.04\d* must be"):
+        synthetic_profile(2, forward_time_s=-0.03)
 
 
 def test_profile_frequencies_are_rounded_to_the_nearest_mhz(tmp_path) -> None:
@@ -193,3 +226,18 @@ def test_synthetic_profiles_look_like_gpus() -> None:
     assert 0 < lowest < len(energies) - 1  # energy is U-shaped in the clock
     with pytest.raises(PipelineProfileError, match="unknown GPU curve"):
         synthetic_profile(2, "tpu")
+
+
+def test_stage_sequence_checks_its_arguments() -> None:
+    """A global rank given for the stage gave a sequence of negative microbatches."""
+    from joules.optimizers.pipeline.schedule import stage_sequence
+
+    assert [(c.microbatch, c.kind) for c in stage_sequence("1F1B", 2, 3, 0)] == [
+        (0, "forward"), (1, "forward"), (0, "backward"), (2, "forward"), (1, "backward"), (2, "backward")]
+    for stage in (5, -1, True, 0.0):
+        with pytest.raises(ValueError, match="stage must be one of 0..1"):
+            stage_sequence("1f1b", 2, 3, stage)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        stage_sequence("zb", 2, 3, 0)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        stage_sequence("gpipe", 2, 0, 0)

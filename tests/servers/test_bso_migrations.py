@@ -185,7 +185,7 @@ def test_a_database_migrated_by_a_newer_joules_is_a_clear_error(tmp_path: Path) 
     finally:
         db.dispose()
     joules = str(Path(sys.executable).parent / "joules")
-    r = subprocess.run([joules, "serve", "--db", str(path), "--port", "65432"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([joules, "serve", "--db", str(path), "--port", "65432"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("joules: error: database") and "0099" in r.stderr, r.stderr

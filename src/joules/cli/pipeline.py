@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from joules.cli import Console, check_duration, print_out
 from joules.errors import JoulesError
@@ -122,8 +123,8 @@ def plan(
         print_out(json.dumps(summary))
         return
     fastest, top = frontier.fastest, frontier.max_frequency
-    t = Table(title=f"{prof.name}: {name}, {stages} stages x {microbatches} microbatches, "
-                    f"blocking {p2p_power:g} W")
+    t = Table(title=Text(f"{prof.name}: {name}, {stages} stages x {microbatches} microbatches, "
+                         f"blocking {p2p_power:g} W"))  # a file name's "[...]" is not markup
     t.add_column("")
     t.add_column("value", justify="right")
     t.add_row("frontier points", str(len(frontier.plans)))
@@ -147,7 +148,7 @@ def plan(
                        _pct(p.energy_j, top.energy_j))
     console.print(points)
     console.print(f"wrote {out / 'frontier.json'}, rank0..{stages - 1}.json, {PROFILE_COPY} and {PICTURE} "
-                  f"to {out}", highlight=False, soft_wrap=True)
+                  f"to {out}", highlight=False, soft_wrap=True, markup=False)
 
 
 @pipeline_app.command("show")
@@ -205,7 +206,7 @@ def show(
         f"{chosen.time_s * 1e3:,.1f} ms, {chosen.energy_j:,.1f} J "
         f"({_pct(chosen.energy_j, top.energy_j)} vs all at the highest frequency: "
         f"{top.time_s * 1e3:,.1f} ms, {top.energy_j:,.1f} J)",
-        highlight=False, soft_wrap=True,
+        highlight=False, soft_wrap=True, markup=False,
     )
     t = Table(title=f"{dag.schedule}, {dag.stages} stages x {dag.microbatches} microbatches: "
                     "frequencies per stage")
@@ -215,7 +216,7 @@ def show(
         t.add_row(str(s), str(stats["computations"]), f"{stats['min_mhz']:g}", f"{stats['mean_mhz']:,.0f}",
                   f"{stats['max_mhz']:g}")
     console.print(t)
-    console.print(f"wrote {out}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out}", highlight=False, soft_wrap=True, markup=False)
 
 
 def stage_frequencies(frontier: Frontier, chosen: Plan) -> list[dict[str, float]]:
@@ -258,7 +259,7 @@ def profile(
         f"wrote {out}: {stages} stages, {len(freqs)} clocks from {freqs[0]} to {freqs[-1]} MHz; "
         f"a blocked {gpu.lower()} draws about {blocking_power_w(gpu):g} W "
         f"(joules pipeline plan --p2p-power {blocking_power_w(gpu):g})",
-        highlight=False, soft_wrap=True,
+        highlight=False, soft_wrap=True, markup=False,
     )
 
 

@@ -19,8 +19,12 @@ def csv_rows(path: Path, error: type[Exception]) -> Iterator[csv.DictReader[str]
     """
     # utf-8-sig: spreadsheets save "CSV UTF-8" with a byte-order mark.
     with path.open(newline="", encoding="utf-8-sig") as f:
+        rows = csv.reader(f)
         reader = csv.DictReader(f)
+        reader.reader = rows  # one reader of the file's lines: line numbers count from its start
         try:
+            # Blank lines before the header are skipped, as are those after it.
+            reader.fieldnames = next((row for row in rows if row), None)
             names = [n.strip() for n in reader.fieldnames or []]  # " time" is "time" to a reader
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,9 +114,20 @@ class PipelineProfile:
 
         Frequencies are rounded to the nearest whole MHz; rows of one stage and instruction at
         the same (rounded) frequency are repeated measurements, averaged.
+
+        Raises:
+            PipelineProfileError: No rows, or a bad row (the message names it and the value):
+                the checks :meth:`from_csv` makes of a file's rows.
         """
         sums: dict[tuple[int, str, int], list[float]] = {}
         for stage, instruction, frequency, time_s, energy_j in rows:
+            problem = _row_problem(stage, instruction, frequency, time_s, energy_j)
+            if problem is not None:
+                field, why = problem
+                value = {"stage": stage, "instruction": instruction, "frequency": frequency,
+                         "time": time_s, "energy": energy_j}[field]
+                row = f"({stage!r}, {instruction!r}, {frequency!r}, {time_s!r}, {energy_j!r})"
+                raise PipelineProfileError(f"profile {name!r}, row {row}: {field} {value!r} {why}")
             acc = sums.setdefault((stage, instruction, int(round(frequency))), [0.0, 0.0, 0.0])
             acc[0] += time_s
             acc[1] += energy_j
@@ -201,32 +213,41 @@ def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[int, str, in
         stage = int(row["stage"])
     except ValueError:
         raise bad("stage", "is not an integer") from None
-    if stage < 0:
-        raise bad("stage", "is negative")
     instruction = row["instruction"].lower()
-    if instruction not in KINDS:
-        raise bad("instruction", f"is not one of {', '.join(KINDS)}")
-    try:
-        # The nearest whole MHz (as StageProfiler records it): 1409.9999 is 1410, 1410.9 is 1411.
-        frequency = int(round(float(row["frequency"])))
-    except (ValueError, OverflowError):  # ValueError: nan; OverflowError: inf
-        raise bad("frequency", "is not a finite number") from None
-    if frequency <= 0:
-        raise bad("frequency", "must be positive")
-    if frequency > MAX_FREQUENCY_MHZ:
-        raise bad("frequency", f"is beyond {MAX_FREQUENCY_MHZ} (MHz are expected)")
-    values = []
-    for field in ("time", "energy"):
+    values = {}
+    for field in ("frequency", "time", "energy"):
         try:
-            v = float(row[field])
+            values[field] = float(row[field])
         except ValueError:
             raise bad(field, "is not a number") from None
-        if not math.isfinite(v) or v <= 0:
-            raise bad(field, "must be a positive finite number")
+    problem = _row_problem(stage, instruction, values["frequency"], values["time"], values["energy"])
+    if problem is not None:
+        raise bad(*problem)
+    # The nearest whole MHz (as StageProfiler records it): 1409.9999 is 1410, 1410.9 is 1411.
+    return stage, instruction, int(round(values["frequency"])), values["time"], values["energy"]
+
+
+def _row_problem(stage: object, instruction: object, frequency: float, time_s: float,
+                 energy_j: float) -> tuple[str, str] | None:
+    """What is wrong with a profile row, as ``(field, why)``; ``None`` when nothing is."""
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral):
+        return "stage", "is not an integer"
+    if stage < 0:
+        return "stage", "is negative"
+    if instruction not in KINDS:
+        return "instruction", f"is not one of {', '.join(KINDS)}"
+    if not isinstance(frequency, numbers.Real) or not math.isfinite(frequency):
+        return "frequency", "is not a finite number"
+    if round(frequency) <= 0:
+        return "frequency", "must be positive"
+    if round(frequency) > MAX_FREQUENCY_MHZ:
+        return "frequency", f"is beyond {MAX_FREQUENCY_MHZ} (MHz are expected)"
+    for field, v in (("time", time_s), ("energy", energy_j)):
+        if not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+            return field, "must be a positive finite number"
         if v > _MAX_VALUE[field]:
-            raise bad(field, f"is beyond {_MAX_VALUE[field]:g} (seconds and joules are expected)")
-        values.append(v)
-    return stage, instruction, frequency, values[0], values[1]
+            return field, f"is beyond {_MAX_VALUE[field]:g} (seconds and joules are expected)"
+    return None
 
 
 MAX_FREQUENCY_MHZ = 100_000  # far above any GPU's clock: a frequency in Hz or kHz is refused

@@ -16,6 +16,7 @@ Schedules:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -89,7 +90,15 @@ class PipelineDAG:
 
 
 def stage_sequence(schedule: str, stages: int, microbatches: int, stage: int) -> list[Computation]:
-    """The computations stage ``stage`` executes, in order."""
+    """The computations stage ``stage`` executes, in order.
+
+    Raises:
+        ValueError: Unknown schedule, a count below 1, or ``stage`` not in ``0..stages-1`` (a
+            global rank where the pipeline rank is meant, say).
+    """
+    schedule = _checked(schedule, stages, microbatches)
+    if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or not 0 <= stage < stages:
+        raise ValueError(f"stage must be one of 0..{stages - 1}, got {stage!r}")
     m_count = microbatches
     if schedule == "1f1b":
         warmup = min(stages - stage - 1, m_count)
@@ -106,6 +115,16 @@ def stage_sequence(schedule: str, stages: int, microbatches: int, stage: int) ->
     raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
+def _checked(schedule: str, stages: int, microbatches: int) -> str:
+    """The schedule's name, lower-cased, once it and the counts are checked."""
+    schedule = schedule.lower()
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"stages and microbatches must be >= 1 (got {stages} and {microbatches})")
+    return schedule
+
+
 def build_dag(schedule: str, stages: int, microbatches: int) -> PipelineDAG:
     """Build the DAG of one iteration.
 
@@ -117,11 +136,7 @@ def build_dag(schedule: str, stages: int, microbatches: int) -> PipelineDAG:
     Raises:
         ValueError: Unknown schedule or a count below 1.
     """
-    schedule = schedule.lower()
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"stages and microbatches must be >= 1 (got {stages} and {microbatches})")
+    schedule = _checked(schedule, stages, microbatches)
     sequences = [stage_sequence(schedule, stages, microbatches, s) for s in range(stages)]
     deps: dict[Computation, list[Computation]] = {c: [] for seq in sequences for c in seq}
     for seq in sequences:
