@@ -167,6 +167,17 @@ def test_workload_names_that_slug_alike_keep_their_own_files(tmp_path):
         store.load("A100", 1, "resnet50 b256")
 
 
+def test_a_long_workload_name_is_saved_under_a_name_the_file_system_takes(tmp_path):
+    """A 250-character workload name made a file name longer than the 255 bytes allowed."""
+    store = ProfileStore(tmp_path / "profiles")
+    long_a, long_b = "x" * 249 + "a", "x" * 249 + "b"
+    points = [LimitPoint(300.0, 1.0, 200.0)]
+    store.save("NVIDIA H100 80GB HBM3 " * 4, 8, long_a, points)
+    assert store.load("NVIDIA H100 80GB HBM3 " * 4, 8, long_a) == points
+    assert store.load("NVIDIA H100 80GB HBM3 " * 4, 8, long_b) is None  # cut alike, kept apart
+    assert all(len(p.name) <= 255 for p in (tmp_path / "profiles").iterdir())
+
+
 def test_mig_instances_of_one_gpu_count_it_once(tmp_path):
     # Two MIG instances read the whole physical GPU: its energy per step is counted once,
     # and the job has one GPU (the saved profile's key, the cost's max power).

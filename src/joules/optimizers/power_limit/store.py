@@ -31,9 +31,9 @@ def default_state_dir() -> Path:
     return Path(base) / "joules"
 
 
-def _slug(text: str) -> str:
+def _slug(text: str, limit: int = 255) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", text.strip()).strip("_")
-    return slug or "_"
+    return slug[:limit] or "_"
 
 
 class ProfileStore:
@@ -51,10 +51,11 @@ class ProfileStore:
         """The file that holds the profile for this key."""
         if not workload.strip():
             raise ValueError("a saved profile needs a non-empty workload name")
-        # The slugs can make two keys alike ("a/b" and "a b"): a hash of the exact key keeps
-        # their files apart.
+        # The slugs can make two keys alike ("a/b" and "a b"), and are cut short to keep the
+        # name within the 255 bytes file systems allow: a hash of the exact key keeps their
+        # files apart.
         digest = hashlib.sha256(json.dumps([gpu_model, gpus, workload]).encode()).hexdigest()[:8]
-        return self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}-{digest}.json"
+        return self.directory / f"{_slug(gpu_model, 64)}-x{gpus}-{_slug(workload, 120)}-{digest}.json"
 
     def load(self, gpu_model: str, gpus: int, workload: str) -> list[LimitPoint] | None:
         """The saved points for this key, or ``None`` when there are none.
