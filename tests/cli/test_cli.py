@@ -166,6 +166,8 @@ def test_measure_cpus_none_and_log(tmp_path: Path, capsys: pytest.CaptureFixture
         (["power", "--sim", "A100", "--duration", "nan"], "--duration must be a positive number of seconds"),
         (["measure", "--sim", "A100", "--timeline", "no-such-dir/t.csv", "--", "true"],
          "directory 'no-such-dir' does not exist"),
+        (["measure", "--sim", "A100", "--log", "/etc/passwd/w.csv", "--", "true"],
+         "directory '/etc/passwd' is a file, not a directory"),
         (["measure", "--sim", "A100", "--timeline", ".csv", "--", "true"],
          "needs a .csv or .jsonl file name"),
         (["info", "--bogus"], "No such option"),

@@ -86,7 +86,8 @@ def check_output_path(option: str, path: str | None, *, make_dirs: bool = False)
         while not parent.exists() and parent != parent.parent:
             parent = parent.parent
     if not parent.is_dir():
-        raise JoulesError(f"{option} {path!r}: directory {str(parent)!r} does not exist")
+        why = "is a file, not a directory" if parent.exists() else "does not exist"
+        raise JoulesError(f"{option} {path!r}: directory {str(parent)!r} {why}")
     if p.is_dir() or not os.access(p if p.exists() else parent, os.W_OK):
         raise JoulesError(f"{option} {path!r} cannot be written")
 
