@@ -644,3 +644,21 @@ def test_walk_starts_at_the_least_energy_plan_when_a_computation_has_one_option(
     bound = solver_module.energy_lower_bounds(dag, profile, power, [100.0])[0]
     frontier = solve(dag, profile, power, 0.001)
     assert bound <= min(pl.energy_j for pl in frontier.plans) + 1e-6
+
+
+def test_a_unit_far_finer_than_the_computations_plans_within_bounded_memory(monkeypatch) -> None:
+    """A microsecond unit for 100 ms computations planned 225,000 iteration times on 4 x 8
+    (2 GB, 29 s) for a frontier of some 1,700 plans: the planned times are spaced out so that
+    they times the computations stay within ``MAX_PLAN_CELLS``."""
+    dag = build_dag("1f1b", 4, 8)
+    prof = synthetic_profile(4, "a100", forward_time_s=0.1, seed=1)
+    coarse = solve(dag, prof, 85.0, 1e-3)
+    monkeypatch.setattr(solver_module, "MAX_PLAN_CELLS", 64 * 500)
+    fine = solve(dag, prof, 85.0, 1e-6)
+    assert fine.meta["deadlines"] <= 502  # (the least-energy plan's own time is one more)
+    assert fine.fastest.time_s == pytest.approx(coarse.fastest.time_s, rel=1e-12)
+    # (the hulls' chords follow the unit: plans of other units differ a little)
+    assert fine.fastest.energy_j == pytest.approx(coarse.fastest.energy_j, rel=1e-3)
+    least = min(p.energy_j for p in coarse.plans)
+    assert min(p.energy_j for p in fine.plans) == pytest.approx(least, rel=1e-6)
+    assert len(fine.plans) >= 0.2 * len(coarse.plans)

@@ -81,6 +81,7 @@ except ImportError:  # pragma: no cover - exercised where SciPy is absent
 METHODS = ("auto", "fast", "exact")
 EXACT_AUTO_LIMIT = 200_000  # option combinations up to which "auto" solves exactly
 PLANS_PER_UNIT = 2  # the fast method plans every half unit of iteration time,
+MAX_PLAN_CELLS = 3_000_000  # or coarser, so that planned times x computations stay within this (memory)
 HALF_WAY = True  # and improves each plan again half-way to the next slower planned time
 SPAN_UNITS = 4  # neighbouring hull segments spanning at most this many units together are merged,
 SPAN_PARTS = 6  # and at most 1 / SPAN_PARTS of the computation's time range (at least 6 chords each)
@@ -809,7 +810,8 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
         grid: The time unit asked for, in fine units (hull segments shorter than
             ``SPAN_UNITS`` of it, and shorter than ``1 / SPAN_PARTS`` of a computation's time
             range, are merged).
-        every: One plan per ``every`` fine units of iteration time.
+        every: One plan per ``every`` fine units of iteration time (further apart where that
+            would plan more than ``MAX_PLAN_CELLS`` times computations).
 
     Returns:
         ``(plans, info)``: the plans made (not yet filtered), and statistics.
@@ -850,6 +852,12 @@ def _fast(p: Problem, grid: int, every: int) -> tuple[list[Plan], dict[str, obje
             # The relaxed plan of least energy, at its own iteration time (rarely a planned one).
             states.append(list(dur))
             deadlines.append(horizon)
+    if (m + 1) * n > MAX_PLAN_CELLS:
+        # A unit far finer than the computations (a microsecond for 100 ms ones) would plan
+        # hundreds of thousands of times, each improved as an array of every computation:
+        # gigabytes, for a frontier of a few thousand distinct plans. Plan fewer, further apart.
+        every = -(-(horizon - t_min) // max(1, MAX_PLAN_CELLS // n - 1))
+        m = (horizon - t_min) // every
     walker = _Walker(p, hulls, dur)
     shorten: list[int] = []
     lengthen: list[int] = []
