@@ -393,3 +393,36 @@ def test_health_and_metrics_answer_while_the_database_is_locked(tmp_path: Path) 
             holder.execute("ROLLBACK")
             holder.close()
             waiting.join(timeout=90)
+
+
+def test_health_probes_of_a_stuck_database_share_one_check(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each probe that gave up left its thread waiting on the database, and the next probe
+    started another: threads piled up, each waiting for a connection the API needs too."""
+    from fastapi.testclient import TestClient
+
+    from joules.servers.batch_size import app as app_module
+    from joules.servers.batch_size import db as dbm
+
+    monkeypatch.setattr(app_module, "HEALTH_TIMEOUT_S", 0.2)
+    stuck = threading.Event()
+    pings: list[float] = []
+    real_ping = dbm.Database.ping
+
+    def ping(self: dbm.Database) -> None:
+        pings.append(time.monotonic())
+        stuck.wait(30)
+        real_ping(self)
+
+    monkeypatch.setattr(dbm.Database, "ping", ping)
+    with TestClient(app_module.create_app(f"sqlite:///{tmp_path / 'bso.sqlite'}")) as c:
+        for _ in range(4):
+            r = c.get("/healthz")
+            assert r.status_code == 503 and "no answer within 0.2 s" in r.text
+        assert len(pings) == 1  # one check, still running, shared by every probe
+        assert sum(t.name == "joules-healthz" for t in threading.enumerate()) == 1
+        stuck.set()
+        deadline = time.monotonic() + 10
+        while (r := c.get("/healthz")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status_code == 200 and r.json()["status"] == "ok"

@@ -8,10 +8,13 @@ environment variables, for ``uvicorn --factory`` and for the worker processes th
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import hmac
 import importlib
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -227,6 +230,39 @@ def _json_safe(value: Any, depth: int = 0) -> Any:
     return value
 
 
+class _OneAtATime:
+    """Runs a blocking check on a thread of its own, one at a time: callers share the one running.
+
+    A health check stuck on a locked or unreachable database would otherwise leave one more
+    thread behind at every probe (a probe gives up after ``HEALTH_TIMEOUT_S``), each then
+    waiting for a database connection the API's requests need too.
+    """
+
+    def __init__(self, check: Callable[[], Any]) -> None:
+        self._check = check
+        self._lock = threading.Lock()
+        self._running: concurrent.futures.Future[Any] | None = None
+
+    def start(self) -> concurrent.futures.Future[Any]:
+        """The check running now, or a new one if none is."""
+        with self._lock:
+            if self._running is not None and not self._running.done():
+                return self._running
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+
+            def run() -> None:
+                try:
+                    future.set_result(self._check())
+                except BaseException as e:  # noqa: BLE001 - handed to the awaiting probe
+                    future.set_exception(e)
+
+            # A daemon thread: one stuck on the database does not hold the server's exit up.
+            threading.Thread(target=run, name="joules-healthz", daemon=True).start()
+            self._running = future
+            return future
+
+
 def create_app(
     database_url: str,
     token: str | None = None,
@@ -315,19 +351,19 @@ def create_app(
         return JSONResponse(status_code=503, content={"detail": f"database unavailable: {first}"},
                             headers={"Retry-After": "1"})
 
-    health_limiter = anyio.CapacityLimiter(1)  # not behind the API's requests for a thread
-
     def check_database() -> HealthOut:
         database.ping()
         return HealthOut(status="ok", database=database.url.get_backend_name(),
                          revision=dbm.current_revision(database))
 
+    health = _OneAtATime(check_database)
+
     @app.get("/healthz", response_model=HealthOut, responses=UNAVAILABLE, tags=["server"])
     async def healthz() -> Any:  # HealthOut, or a 503 JSONResponse
         """Whether the server and its database answer (503 after 5 s without an answer)."""
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
-            return await to_thread.run_sync(check_database, limiter=health_limiter,
-                                            abandon_on_cancel=True)
+            # Shielded: a probe that gives up leaves the check running for the next one.
+            return await asyncio.shield(asyncio.wrap_future(health.start()))
         return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={
             "detail": f"database unavailable: no answer within {HEALTH_TIMEOUT_S:g} s"})
 
