@@ -55,6 +55,7 @@ log = logging.getLogger("joules.power_limit")
 SearchFactory = Callable[[Sequence[float], Selector], Search]
 _WINDOW = "joules.power_limit"
 _IDLE_EPOCHS = 3  # epochs in a row that measure no step before profiling is given up
+_READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads before giving up
 _PERMISSION_FIX = (
     "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
     "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
@@ -83,6 +84,8 @@ class _Accumulator:
     warm_target: int = 0  # steps to warm up before measuring
     limit_warm: int = 0  # steps warmed up since the limit was set, pauses or not
     segment_steps: int = 0
+    lost: int = 0  # steps counted, but in segments whose window a failed device read lost
+    retries: int = 0  # times this limit was profiled again, too few of its steps measured
 
 
 def _torch_dist() -> Any:
@@ -218,6 +221,7 @@ class PowerLimitOptimizer:
         self.total_gpus = len(self.gpus)
         self._acc: _Accumulator | None = None
         self._window_open = False
+        self._window_lost = False  # the open window's begin failed (a device read): no measurement
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
         self._applied: float | None = None
@@ -402,8 +406,7 @@ class PowerLimitOptimizer:
             self._idle_epochs = self._idle_epochs + 1 if idle else 0
         if self._window_open:
             if in_step:  # a pause within a step (between the batches of an accumulation cycle):
-                self.monitor.cancel_window(self._window_name())  # the window ends in a part-step
-                self._window_open = False
+                self._cancel()  # the window ends in a part-step
                 self._split_steps = True  # from now on a window spans one step: only it is lost
             else:
                 self._close()
@@ -439,9 +442,7 @@ class PowerLimitOptimizer:
     def _discard_interrupted(self) -> None:
         """A run ended without on_train_end: drop what was being measured at the current limit."""
         if self._window_open:
-            with suppress(WindowError):  # the monitor may have lost it meanwhile
-                self.monitor.cancel_window(self._window_name())
-            self._window_open = False
+            self._cancel()  # (the monitor may have lost it meanwhile)
         acc = self._acc
         if acc is not None and self.state in (State.WARMUP, State.PROFILING):
             log.warning("training started again after a run that did not end (no on_train_end): "
@@ -488,9 +489,7 @@ class PowerLimitOptimizer:
         profiles only what is left.
         """
         if self._window_open:
-            with suppress(WindowError):
-                self.monitor.cancel_window(self._window_name())
-            self._window_open = False
+            self._cancel()
         self._stepped = False
         if self.state is not State.READY:
             self._ended = True
@@ -516,16 +515,40 @@ class PowerLimitOptimizer:
         return f"{_WINDOW}.{id(self)}"
 
     def _open(self) -> None:
-        self.monitor.begin_window(self._window_name())
-        self._window_open = True
         assert self._acc is not None
         self._acc.segment_steps = 0
+        self._window_open = True
+        self._window_lost = False
+        try:
+            self.monitor.begin_window(self._window_name())
+        except JoulesError as e:  # a device read failed: the steps count, unmeasured
+            self._window_lost = True
+            self._read_failed(e)
+
+    def _cancel(self) -> None:
+        """Drop the open window (what it measured is not kept)."""
+        if not self._window_lost:
+            with suppress(WindowError):
+                self.monitor.cancel_window(self._window_name())
+        self._window_open = self._window_lost = False
 
     def _close(self) -> None:
-        m = self.monitor.end_window(self._window_name())
-        self._window_open = False
         acc = self._acc
         assert acc is not None
+        m = None
+        if not self._window_lost:
+            try:
+                m = self.monitor.end_window(self._window_name())
+            except JoulesError as e:  # (a window whose end failed stays open in the monitor)
+                self._read_failed(e)
+        if m is None:
+            self._cancel()
+            # The steps count as on every other rank (they decide together when a limit is
+            # done); their time and energy are not known.
+            acc.steps += acc.segment_steps
+            acc.lost += acc.segment_steps
+            return
+        self._window_open = False
         if acc.segment_steps == 0:
             return
         energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self._counted)
@@ -534,10 +557,30 @@ class PowerLimitOptimizer:
         acc.energy_j += energy
         acc.segments += 1
 
+    def _read_failed(self, error: JoulesError) -> None:
+        assert self._acc is not None
+        if not self._acc.lost:  # once per limit
+            log.warning("a device read failed while profiling %g W (%s): the steps it would have "
+                        "measured are left out, and the limit is profiled again if too few are left",
+                        self._acc.limit_w, error)
+
     def _complete(self) -> None:
         acc = self._acc
         assert acc is not None and self.search is not None
-        time_s, energy_j = acc.time_s / acc.steps, acc.energy_j / acc.steps
+        measured = acc.steps - acc.lost
+        # Every rank decides alike, on the fewest steps any rank measured.
+        fewest = -self._allreduce([-float(measured)], "max")[0]
+        if fewest < max(1, acc.steps // 2):
+            if acc.retries + 1 >= _READ_RETRIES:
+                self._give_up(f"device reads failed in most of the steps at {acc.limit_w:g} W, "
+                              f"{acc.retries + 1} times")
+                return
+            log.warning("too few steps measured at %g W (%d of %d: device reads failed): profiling "
+                        "it again", acc.limit_w, int(fewest), acc.steps)
+            self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1)
+            self._warm_up_again()
+            return
+        time_s, energy_j = acc.time_s / measured, acc.energy_j / measured
         time_s = self._allreduce([time_s], "max")[0]
         energy_j = self._allreduce([energy_j], "sum")[0]
         if not time_s > 0:
@@ -549,7 +592,7 @@ class PowerLimitOptimizer:
         self._measured.append(point.limit_w)
         self.search.record(point)
         log.info("power limit %g W: %.4g s and %.4g J per step (%d steps in %d segment(s))",
-                 acc.limit_w, time_s, energy_j, acc.steps, acc.segments)
+                 acc.limit_w, time_s, energy_j, measured, acc.segments)
         self._next_limit()
 
     def _next_limit(self) -> None:
