@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,11 @@ def open_monitor(*args: Any, **kwargs: Any) -> EnergyMonitor:
     return monitor
 
 
-def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement]:
+def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measurement | None]:
     """Run ``command`` inside a window; return its exit status and the measurement.
+
+    The measurement is ``None`` when the devices could not be read as the command ended, in
+    three tries (a warning on stderr says why): the command's status is still returned.
 
     The status is ``Popen``'s: the exit code, or ``-N`` when the command died of signal ``N``
     (:func:`shell_code` gives what a shell would report).
@@ -181,8 +185,26 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    m = monitor.end_window("command")
-    return code, m
+    return code, end_measurement(monitor, "command", "as the command ended")
+
+
+_END_TRIES = 3
+
+
+def end_measurement(monitor: EnergyMonitor, name: str, when: str) -> Measurement | None:
+    """End the window ``name``; ``None``, with a warning saying ``when``, if every try failed.
+
+    A device read that fails is tried again (a window whose end failed stays open).
+    """
+    for attempt in range(_END_TRIES):
+        try:
+            return monitor.end_window(name)
+        except JoulesError as e:
+            error = e
+            time.sleep(0.02 * (attempt + 1))
+    print(f"joules: warning: the devices could not be read {when} ({error}): nothing was measured",
+          file=sys.stderr)
+    return None
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)
@@ -230,7 +252,11 @@ def register(app: typer.Typer) -> None:
             monitor.close()
         code = shell_code(status)
         export_timeline(monitor, timeline)  # first: the report's reader may be gone
-        if as_json:
+        if m is None:  # (said on stderr)
+            if as_json:
+                print_out(json.dumps({"command": command, "exit_code": code, "error": "the devices "
+                                      "could not be read as the command ended: nothing was measured"}))
+        elif as_json:
             print_out(json.dumps(measurement_json(command, code, m)))
         else:
             try:

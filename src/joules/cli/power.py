@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import typer
 from rich.live import Live
@@ -14,10 +17,12 @@ from rich.table import Table
 from joules.cli import SIM_HELP, Console, check_duration, print_out, silence_stdout, use_sim
 from joules.cli.measure import (
     check_timeline_path,
+    end_measurement,
     export_timeline,
     measurement_table,
     open_monitor,
 )
+from joules.errors import JoulesError
 from joules.monitoring.monitor import EnergyMonitor
 
 
@@ -90,9 +95,25 @@ def register(app: typer.Typer) -> None:
         start = time.monotonic()
         monitor.begin_window("power")
 
+        failing: set[str] = set()
+
+        def read(name: str, fn: Callable[[], Any]) -> Any:
+            """A device's reading; ``None`` (said once, on stderr) while it fails."""
+            try:
+                value = fn()
+            except JoulesError as e:
+                if name not in failing:
+                    print(f"joules: warning: {name} cannot be read ({e}); its readings are left out "
+                          "while it fails", file=sys.stderr)
+                failing.add(name)
+                return None
+            failing.discard(name)
+            return value
+
         def sample() -> dict[str, float]:
-            out = {f"gpu{g.index}": g.power_w() for g in monitor.gpus}
-            out.update(cpu_power.poll())
+            out = {f"gpu{g.index}": p for g in monitor.gpus
+                   if (p := read(f"GPU {g.index}", g.power_w)) is not None}
+            out.update(read("the CPU packages", cpu_power.poll) or {})
             return out
 
         # Live only redraws on a terminal that can move the cursor (not TERM=dumb).
@@ -121,9 +142,13 @@ def register(app: typer.Typer) -> None:
             pass
         finally:
             signal.signal(signal.SIGTERM, previous_term)
-            m = monitor.end_window("power")
-            monitor.close()
+            try:
+                m = end_measurement(monitor, "power", "at the end")
+            finally:
+                monitor.close()
         export_timeline(monitor, timeline)  # first: the totals' reader may be gone
+        if m is None:  # no totals (said on stderr)
+            raise typer.Exit(1)
         if as_json:
             print_out(json.dumps({"time_s": m.elapsed_s, "energy_j": {
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
