@@ -465,6 +465,22 @@ def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
         cpu.package_energy_j()
 
 
+def test_a_psys_zone_that_stops_being_readable_leaves_the_package_read(tmp_path: Path) -> None:
+    """psys is read beside the package only to catch its wraps: its failure broke every package
+    read (a raw OSError), and so every window."""
+    fake = FakePowercap(tmp_path, packages=1, dram=True, psys=True)
+    (cpu,), _ = discover(fake)
+    assert cpu.psys is not None
+    before = cpu.package_energy_j()
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.dup2(directory, cpu.psys._fd)  # the psys file now fails to read
+    finally:
+        os.close(directory)
+    fake.add_energy(0, "package", 5.0)
+    assert cpu.package_energy_j() == pytest.approx(before + 5.0)
+
+
 # -- read cost ----------------------------------------------------------------------------------
 def test_files_are_opened_once_and_read_with_one_pread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

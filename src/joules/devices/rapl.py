@@ -307,7 +307,10 @@ class RaplCPU(CPU):
     def package_energy_j(self) -> float:
         value = self._read(self.package)
         if self.psys is not None and self.psys.readable:
-            self.psys.energy_uj()  # so that a sampler reading packages also catches psys wraps
+            try:  # so that a sampler reading packages also catches psys wraps
+                self.psys.energy_uj()
+            except (OSError, ValueError):  # psys is not measured: its failure is not the package's
+                pass
         return value
 
     def readable(self) -> bool:
