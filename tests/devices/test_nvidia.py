@@ -643,3 +643,39 @@ def test_forked_child_gets_a_free_nvml_init_lock(sim, nvml):
         t.join(10)
     assert out is not None, "the child hung on NVML's init lock"
     assert out == "3 2"
+
+
+@pytest.mark.parametrize("what", ["energy", "field"])
+def test_a_transient_error_as_the_gpu_is_opened_does_not_disable_a_capability(what):
+    """One NVML timeout at start-up cost a GPU its energy counter (every window then sampled)
+    or its instant power field (1 s averages) for the whole process, with a fix that said to
+    use a Volta GPU or upgrade the driver."""
+    sim = Simulator("H100,nocpu")
+    with fake_pynvml.installed(sim) as mod:
+        calls = {"n": 0}
+        name = "nvmlDeviceGetTotalEnergyConsumption" if what == "energy" else "nvmlDeviceGetFieldValues"
+        real = getattr(mod, name)
+
+        def once(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise mod.NVMLError(mod.NVML_ERROR_TIMEOUT)
+            return real(*args)
+
+        setattr(mod, name, once)
+        (gpu,), problems = discover_nvml({})
+        assert calls["n"] >= 2
+        assert gpu.has_energy_counter() and "INSTANT" in gpu.power_source, gpu.power_source
+        assert not [p for p in problems if "energy counter" in p.message or "INSTANT" in p.message]
+    if what == "energy":  # a GPU that does not support it is still told apart, at once
+        sim = Simulator("H100,nocpu")
+        with fake_pynvml.installed(sim) as mod:
+            unsupported = {"n": 0}
+
+            def never(*args):
+                unsupported["n"] += 1
+                raise mod.NVMLError(mod.NVML_ERROR_NOT_SUPPORTED)
+
+            mod.nvmlDeviceGetTotalEnergyConsumption = never
+            (gpu,), _ = discover_nvml({})
+            assert not gpu.has_energy_counter() and unsupported["n"] == 1

@@ -28,6 +28,7 @@ import operator
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -107,6 +108,32 @@ def _const(nvml: ModuleType, name: str, default: int) -> int:
     return int(getattr(nvml, name, default))
 
 
+_PROBE_TRIES = 3  # tries of a capability before an error other than "not supported" rules it out
+_PERMANENT_ERRORS = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_NO_PERMISSION",
+                     "NVML_ERROR_INVALID_ARGUMENT")
+
+
+def _permanent(nvml: ModuleType, code: object) -> bool:
+    """Whether an NVML return code says a query cannot work on this GPU (not: failed this once)."""
+    return code in {_const(nvml, name, -1) for name in _PERMANENT_ERRORS}
+
+
+def _probe(nvml: ModuleType, fn: Callable[[], Any]) -> Any:
+    """``fn()``, tried again after a transient NVML error (a timeout, say) as a GPU is opened.
+
+    A capability probed once at start-up and found failing is off for the whole process: one
+    timeout then cost a GPU its energy counter or its instant power field for good.
+    """
+    for attempt in range(_PROBE_TRIES):
+        try:
+            return fn()
+        except nvml.NVMLError as e:
+            if _permanent(nvml, getattr(e, "value", None)) or attempt == _PROBE_TRIES - 1:
+                raise
+            time.sleep(0.01)
+    raise AssertionError("unreachable")
+
+
 def _parse_version(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
 
@@ -167,10 +194,15 @@ def _field_reader(nvml: ModuleType, handle: object, field_id: int, scope: int) -
     """A zero-argument reader of one field value, or ``None`` if the GPU does not support it."""
     err, ok = nvml.NVMLError, _const(nvml, "NVML_SUCCESS", 0)
     request = [(field_id, scope)]
-    try:
+
+    def probe() -> Any:
         fv = nvml.nvmlDeviceGetFieldValues(handle, request)[0]
         if fv.nvmlReturn != ok:
-            return None
+            raise err(fv.nvmlReturn)  # (tried again unless it says "not supported")
+        return fv
+
+    try:
+        fv = _probe(nvml, probe)
         member = _VALUE_MEMBERS.get(int(fv.valueType), "uiVal")
     except err:
         return None
@@ -276,7 +308,7 @@ class NVMLGPU(GPU):
         self._energy_error: str | None = None
         self._read_energy: Callable[[Any], int] | None = nvml.nvmlDeviceGetTotalEnergyConsumption
         try:
-            nvml.nvmlDeviceGetTotalEnergyConsumption(h)
+            _probe(nvml, lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(h))
         except self._err as e:
             self._read_energy = None
             if self.architecture in _PRE_VOLTA or getattr(e, "value", None) == self._code_not_supported:
