@@ -1651,3 +1651,44 @@ def test_a_monitor_dropped_without_close_closes_its_log(tmp_path: Path) -> None:
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
     assert len((tmp_path / "w.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_gap_in_the_samples_of_a_gpu_without_a_counter_widens_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads that failed for 3 s while the load rose and fell again: the integral took the next
+    reading's power over the gap, 352 J off, with a bound of 0 J."""
+    from joules.errors import JoulesError
+
+    sim, mon = setup("P100,nocpu", Constant(0.2), warm=5.0)
+    gpu = sim.gpus[0]
+    failing = [False]
+    real = type(gpu).power_w
+
+    def power_w(self):  # type: ignore[no-untyped-def]
+        if failing[0]:
+            raise JoulesError("GPU 0 (sim): NVML error trying to read the power: Unknown Error")
+        return real(self)
+
+    monkeypatch.setattr(type(gpu), "power_w", power_w)
+    before = Truth(sim)
+    mon.begin_window("w")
+    sim.advance(2.0)
+    failing[0] = True
+    sim.advance(0.25)
+    sim.set_workload(Constant(1.0))
+    sim.advance(2.0)
+    sim.set_workload(Constant(0.2))
+    sim.advance(0.75)
+    failing[0] = False
+    sim.advance(2.0)
+    m = mon.end_window("w")
+    true = Truth(sim).since(before)["gpu"][0]
+    d = m.gpu[0]
+    assert d.source is Source.SAMPLED and mon.sampler.errors > 50
+    assert abs(d.energy_j - true) > 100  # the gap's load was never seen ...
+    # ... and the bound says so: up to the highest power over the 3 s (plus a sample interval).
+    assert_bounded(d, true, 3.1 * gpu.power_limit_range_w()[1] + steady_ceiling(gpu))
+    # A window beside the gap is not widened.
+    m, truth = measure_span(sim, mon, "after", 1.0)
+    assert_bounded(m.gpu[0], truth["gpu"][0], steady_ceiling(gpu))
+    mon.close()

@@ -612,11 +612,24 @@ class EnergyMonitor:
             # Each edge, and a change of load inside, falls up to a sampling interval (plus
             # the sensor's period, by which a reading lags) from the readings that see it.
             lag = self.sampler.interval_s + (gpu.power_update_period_s() or 0.0)
+            uncertainty += self._missed_bound(k, gpu, b.t, b.t + elapsed, energy, elapsed)
             return energy, uncertainty + 2 * lag * self._ceiling(k, energy, elapsed)
         readings = [s[1] for i in range(b.samples, e.samples)
                     if (s := self.sampler.sample(gpu.index, i)) is not None]
         power = sum(readings) / len(readings) if readings else self._power_now(gpu, b.t + elapsed)
         return power * elapsed, uncertainty
+
+    def _missed_bound(self, k: int, gpu: GPU, start: float, end: float, energy: float,
+                      elapsed: float) -> float:
+        """What the sampled integral may be off by over gaps between samples in a window, J.
+
+        Over a gap (reads that failed, say) the power was taken as the next reading's; it may
+        have been anything from 0 W to the GPU's highest power.
+        """
+        missed = self.sampler.missed_s(gpu.index, start, end)
+        if not missed:
+            return 0.0
+        return missed * self._ceiling(k, energy, elapsed)
 
     def _ceiling(self, k: int, energy: float, elapsed: float) -> float:
         """The most GPU ``k`` can have drawn on average over a window of ``energy``, W."""
@@ -695,6 +708,7 @@ class EnergyMonitor:
                 # may also be one sensor period old: the power since is extrapolated.
                 lag = 2 * interval + (g.power_update_period_s() or 0.0)
                 uncertainty = spread * lag + _GPU_POWER_RESOLUTION_W * elapsed
+                uncertainty += self._missed_bound(k, g, begin.t, end.t, energy, elapsed)
                 if source is Source.ESTIMATE:
                     uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
             gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)

@@ -41,6 +41,9 @@ _MIN_INTERVAL_S = 0.0107
 _UNKNOWN_PERIOD_BOUND_S = 0.1
 
 
+_GAP_INTERVALS = 2.5  # samples further apart than this many intervals leave a gap (missed_s)
+
+
 class CounterTracker:
     """Learns the update phase of a periodically updated energy counter.
 
@@ -309,6 +312,9 @@ class _GPUTrack:
     # and their median.
     read_costs: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     read_cost: float | None = None
+    # Spans between two samples much longer than the interval (reads failed, or the thread
+    # could not run): the integral assumed the later reading's power over them.
+    gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class PowerSampler:
@@ -444,6 +450,10 @@ class PowerSampler:
         readings.
         """
         with self._lock:
+            if track.count:
+                previous = float(track.times[(track.count - 1) % self.capacity])
+                if t - previous > _GAP_INTERVALS * self.interval_s:
+                    track.gaps.append((previous, t))
             if update is None:
                 if track.count and t > track.last_t:
                     track.energy += p * (t - track.last_t)
@@ -468,6 +478,17 @@ class PowerSampler:
             track.recent_min = min(p, track.recent_min * 0.98 + p * 0.02)
 
     # -- queries (O(1)) ---------------------------------------------------------------------
+    def missed_s(self, index: int, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` within gaps between GPU ``index``'s samples.
+
+        A gap is a span between two samples longer than ``_GAP_INTERVALS`` sampling intervals
+        (failed reads, or a thread that could not run); its energy was taken at the later
+        reading's power.
+        """
+        with self._lock:
+            gaps = list(self._tracks[index].gaps)
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in gaps)
+
     def sample_now(self, index: int) -> None:
         """Take one sample of GPU ``index`` immediately (used when none exists yet)."""
         track = self._tracks[index]
