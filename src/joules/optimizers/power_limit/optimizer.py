@@ -56,6 +56,7 @@ SearchFactory = Callable[[Sequence[float], Selector], Search]
 _WINDOW = "joules.power_limit"
 _IDLE_EPOCHS = 3  # epochs in a row that measure no step before profiling is given up
 _READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads before giving up
+_MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at most
 _PERMISSION_FIX = (
     "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
     "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
@@ -86,6 +87,7 @@ class _Accumulator:
     segment_steps: int = 0
     lost: int = 0  # steps counted, but in segments whose window a failed device read lost
     retries: int = 0  # times this limit was profiled again, too few of its steps measured
+    why_lost: str = "device reads failed"  # what lost the latest of them
 
 
 def _torch_dist() -> Any:
@@ -222,6 +224,7 @@ class PowerLimitOptimizer:
         self._acc: _Accumulator | None = None
         self._window_open = False
         self._window_lost = False  # the open window's begin failed (a device read): no measurement
+        self._moved_warned = 0
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
         self._applied: float | None = None
@@ -541,6 +544,8 @@ class PowerLimitOptimizer:
                 m = self.monitor.end_window(self._window_name())
             except JoulesError as e:  # (a window whose end failed stays open in the monitor)
                 self._read_failed(e)
+        if m is not None and self._limit_moved(acc.limit_w):
+            m = None
         if m is None:
             self._cancel()
             # The steps count as on every other rank (they decide together when a limit is
@@ -557,8 +562,35 @@ class PowerLimitOptimizer:
         acc.energy_j += energy
         acc.segments += 1
 
+    def _limit_moved(self, limit: float) -> bool:
+        """Whether a GPU's limit is no longer ``limit`` (set again, once warned, if so).
+
+        Something else changed it meanwhile (another optimizer on the same GPU, an
+        administrator's ``nvidia-smi -pl``): what the window measured is not this limit's.
+        """
+        if self.dry_run or self._applied != limit:
+            return False
+        try:
+            moved = [(g.index, g.power_limit_w()) for g in self.gpus]
+        except JoulesError:
+            return False  # (cannot tell: the window stands)
+        moved = [(i, w) for i, w in moved if abs(w - limit) > 0.5]
+        if not moved:
+            return False
+        if self._moved_warned < _MOVED_WARNINGS:
+            self._moved_warned += 1
+            log.warning("while profiling %g W, GPU(s) %s had their power limit changed by something else "
+                        "(%s W: another optimizer on the same GPU?): that window is dropped and the limit "
+                        "set again", limit, [i for i, _ in moved], ", ".join(f"{w:g}" for _, w in moved))
+        self._applied = None
+        self._apply(limit)
+        assert self._acc is not None
+        self._acc.why_lost = "its limit was changed by something else"
+        return True
+
     def _read_failed(self, error: JoulesError) -> None:
         assert self._acc is not None
+        self._acc.why_lost = "device reads failed"
         if not self._acc.lost:  # once per limit
             log.warning("a device read failed while profiling %g W (%s): the steps it would have "
                         "measured are left out, and the limit is profiled again if too few are left",
@@ -572,12 +604,12 @@ class PowerLimitOptimizer:
         fewest = -self._allreduce([-float(measured)], "max")[0]
         if fewest < max(1, acc.steps // 2):
             if acc.retries + 1 >= _READ_RETRIES:
-                self._give_up(f"device reads failed in most of the steps at {acc.limit_w:g} W, "
-                              f"{acc.retries + 1} times")
+                self._give_up(f"most of the steps at {acc.limit_w:g} W could not be measured, "
+                              f"{acc.retries + 1} times ({acc.why_lost})")
                 return
-            log.warning("too few steps measured at %g W (%d of %d: device reads failed): profiling "
-                        "it again", acc.limit_w, int(fewest), acc.steps)
-            self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1)
+            log.warning("too few steps measured at %g W (%d of %d: %s): profiling it again",
+                        acc.limit_w, int(fewest), acc.steps, acc.why_lost)
+            self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1, why_lost=acc.why_lost)
             self._warm_up_again()
             return
         time_s, energy_j = acc.time_s / measured, acc.energy_j / measured
