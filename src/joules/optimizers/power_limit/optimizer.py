@@ -36,7 +36,7 @@ import math
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,7 @@ class _Accumulator:
     lost: int = 0  # steps counted, but in segments whose window a failed device read lost
     retries: int = 0  # times this limit was profiled again, too few of its steps measured
     why_lost: str = "device reads failed"  # what lost the latest of them
+    gpu_energy_j: dict[int, float] = field(default_factory=dict)  # per counted GPU
 
 
 def _torch_dist() -> Any:
@@ -557,6 +558,8 @@ class PowerLimitOptimizer:
         if acc.segment_steps == 0:
             return
         energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self._counted)
+        for g in self._counted:
+            acc.gpu_energy_j[g.index] = acc.gpu_energy_j.get(g.index, 0.0) + m.gpu_energy_j.get(g.index, 0.0)
         acc.steps += acc.segment_steps
         acc.time_s += m.elapsed_s
         acc.energy_j += energy
@@ -619,6 +622,13 @@ class PowerLimitOptimizer:
             self._give_up(f"{acc.steps} steps at {acc.limit_w:g} W took no measurable time (a clock "
                           f"that does not advance, or on_step_end called before on_step_begin)")
             return
+        if acc.limit_w == self.limits_w[0]:
+            # The busiest GPU's power at the highest limit, over every rank: limits below it
+            # bind on that GPU, however little the others draw (an idle one lowers the mean).
+            powers = [e / acc.time_s for e in acc.gpu_energy_j.values()] if acc.time_s > 0 else []
+            busiest = self._allreduce([max(powers, default=0.0)], "max")[0]
+            if isinstance(self.search, Adaptive) and busiest > 0:
+                self.search.busiest_w = busiest
         point = LimitPoint(acc.limit_w, time_s, energy_j)
         self.points[point.limit_w] = point
         self._measured.append(point.limit_w)

@@ -122,6 +122,10 @@ class Adaptive(Search):
         self.gpus = gpus
         self.min_margin = min_margin
         self.noise_gain = noise_gain
+        self.busiest_w: float | None = None
+        """The highest average power of one GPU at the highest limit, where the caller measured
+        it (the online optimizer does): the presumed no-op limits start there, rather than at
+        the mean over GPUs, which a GPU that draws less (an idle one) lowers."""
 
     @property
     def reference(self) -> LimitPoint | None:
@@ -130,9 +134,14 @@ class Adaptive(Search):
 
     @property
     def draw_w(self) -> float:
-        """Average power per GPU at the highest limit: limits at or above it presumably do nothing."""
+        """Power per GPU at the highest limit: limits at or above it presumably do nothing.
+
+        :attr:`busiest_w` where set, else the mean over the GPUs.
+        """
         ref = self.reference
-        return math.inf if ref is None else ref.average_power_w / self.gpus
+        if ref is None:
+            return math.inf
+        return self.busiest_w if self.busiest_w is not None else ref.average_power_w / self.gpus
 
     def noise(self) -> float:
         """Largest relative disagreement among measurements that should agree (0 if none)."""
