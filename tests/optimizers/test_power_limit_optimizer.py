@@ -762,3 +762,32 @@ def test_an_idle_gpu_does_not_hide_the_limits_that_bind_on_a_busy_one(selector):
     assert sel.choose(list(sweep.points.values())).limit_w == 175.0  # the best, as the sweep finds it
     assert adaptive.chosen_limit_w == 175.0
     assert len(adaptive.points) < len(sweep.points)
+
+
+@pytest.mark.parametrize(("selector", "best"),
+                         [("energy", 225.0), ("slowdown:1.1", 300.0), ("cost:0.5", 250.0)])
+def test_a_stall_every_so_many_steps_does_not_mislead_the_search(selector, best, caplog):
+    """A 1 s data-loader stall every 64 steps of 0.2 s fell into the window of 375 W: its time
+    looked 15 % longer, the search stopped after two limits and chose 375 W (energy, 37 % above
+    the best) or 400 W. Steps far longer than their limit's others are left out."""
+    sim, monitor, opt = make("A100", selector=selector, warmup_steps=10, profile_steps=40)
+    step = 0
+    with caplog.at_level(logging.WARNING, logger="joules"):
+        opt.on_train_begin()
+        while opt.state is not State.DONE:
+            opt.on_step_begin()
+            if step % 64 == 63:  # the GPU idles while the host stalls, inside the step
+                sim.set_workload(Constant(0.0), cpus=False)
+                sim.advance(1.0)
+                sim.set_workload(Constant(1.0), cpus=False)
+            sim.run(WORK_S, CF)
+            opt.on_step_end()
+            step += 1
+        opt.on_train_end()
+    assert "over 3 times the others" in caplog.text
+    assert opt.chosen_limit_w == best
+    for limit, p in opt.points.items():  # each point is the limit's steady steps
+        t = truth("A100", limit)
+        assert p.time_s == pytest.approx(t.time_s, rel=1e-2), limit
+        assert p.energy_j == pytest.approx(t.energy_j, rel=2e-2), limit
+    monitor.close()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import statistics
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ _WINDOW = "joules.power_limit"
 _IDLE_EPOCHS = 3  # epochs in a row that measure no step before profiling is given up
 _READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads before giving up
 _MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at most
+_OUTLIER_FACTOR = 3.0  # a step longer than this many times the median of its limit's is left out
+_OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
 _PERMISSION_FIX = (
     "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
     "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
@@ -89,6 +92,7 @@ class _Accumulator:
     retries: int = 0  # times this limit was profiled again, too few of its steps measured
     why_lost: str = "device reads failed"  # what lost the latest of them
     gpu_energy_j: dict[int, float] = field(default_factory=dict)  # per counted GPU
+    durations: list[float] = field(default_factory=list)  # of the steps measured, s
 
 
 def _torch_dist() -> Any:
@@ -226,6 +230,8 @@ class PowerLimitOptimizer:
         self._window_open = False
         self._window_lost = False  # the open window's begin failed (a device read): no measurement
         self._moved_warned = 0
+        self._last_end: float | None = None  # when the latest step ended (None: a pause since)
+        self._outlier_warned = False
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
         self._applied: float | None = None
@@ -280,6 +286,7 @@ class PowerLimitOptimizer:
         """
         stepped, self._stepped = self._stepped, False
         self._steps_since_pause = self._measured_since_pause = 0
+        self._last_end = None
         self._profiling_since_pause = False
         self._epoch_steps = self._interval_steps = 0
         if self._ended:
@@ -344,9 +351,14 @@ class PowerLimitOptimizer:
         self._epoch_steps += 1
         self._interval_steps += 1
         acc = self._acc
+        now = self.monitor.clock.now()
+        duration = None if self._last_end is None else now - self._last_end
+        self._last_end = now
         if acc is None:
             return
         if self.state is State.WARMUP:
+            if duration is not None and not self._outlier(acc, duration, warn=False):
+                acc.durations.append(duration)  # what a step takes at this limit
             acc.warm += 1
             acc.limit_warm += 1
             if acc.warm >= acc.warm_target:
@@ -359,6 +371,20 @@ class PowerLimitOptimizer:
                 return
             acc.segment_steps += 1
             self._measured_since_pause += 1
+            if duration is not None and self._outlier(acc, duration):
+                # The window holds a step far longer than the others (a data-loader stall, a
+                # checkpoint within the epoch): it would bias this limit's time and energy.
+                # Its steps count, unmeasured; from now on a window spans one step, so that
+                # such a step costs only itself.
+                self._lose_window(f"a step took over {_OUTLIER_FACTOR:g} times the others")
+                if acc.steps >= self.profile_steps:
+                    self._complete()
+                    return
+                self._split_steps = True
+                self._open()
+                return
+            if duration is not None:
+                acc.durations.append(duration)
             if acc.steps + acc.segment_steps >= self.profile_steps:
                 self._close()
                 self._complete()
@@ -398,6 +424,7 @@ class PowerLimitOptimizer:
         """Pause; ``span`` is the steps between such pauses (``what`` names them in a warning)."""
         steps, self._steps_since_pause = self._steps_since_pause, 0
         measured, self._measured_since_pause = self._measured_since_pause, 0
+        self._last_end = None  # the next step's time is not the pause's
         profiling, self._profiling_since_pause = self._profiling_since_pause, False
         in_step, self._in_step = self._in_step, False
         acc = self._acc
@@ -518,6 +545,34 @@ class PowerLimitOptimizer:
     def _window_name(self) -> str:
         return f"{_WINDOW}.{id(self)}"
 
+    def _outlier(self, acc: _Accumulator, duration: float, warn: bool = True) -> bool:
+        """Whether a step took over ``_OUTLIER_FACTOR`` times the median of this limit's steps.
+
+        Those of its warm-up count (steps end to end, none across a pause), so that a step at
+        the start of the measurement is judged too.
+        """
+        if len(acc.durations) < _OUTLIER_MIN_STEPS:
+            return False
+        typical = statistics.median(acc.durations)
+        if not duration > _OUTLIER_FACTOR * typical > 0:
+            return False
+        if warn and not self._outlier_warned:
+            self._outlier_warned = True
+            log.warning("a step took %.3g s, over %g times the others' %.3g s (a data-loader stall, a "
+                        "checkpoint within the epoch?): such steps are left out of the power-limit "
+                        "profile, and from now on each step is measured in a window of its own",
+                        duration, _OUTLIER_FACTOR, typical)
+        return True
+
+    def _lose_window(self, why: str) -> None:
+        """Drop the open window: its steps count (as on every other rank), unmeasured."""
+        acc = self._acc
+        assert acc is not None
+        self._cancel()
+        acc.steps += acc.segment_steps
+        acc.lost += acc.segment_steps
+        acc.why_lost = why
+
     def _open(self) -> None:
         assert self._acc is not None
         self._acc.segment_steps = 0
@@ -548,11 +603,9 @@ class PowerLimitOptimizer:
         if m is not None and self._limit_moved(acc.limit_w):
             m = None
         if m is None:
-            self._cancel()
             # The steps count as on every other rank (they decide together when a limit is
             # done); their time and energy are not known.
-            acc.steps += acc.segment_steps
-            acc.lost += acc.segment_steps
+            self._lose_window(acc.why_lost)
             return
         self._window_open = False
         if acc.segment_steps == 0:
