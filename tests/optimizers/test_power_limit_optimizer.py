@@ -791,3 +791,30 @@ def test_a_stall_every_so_many_steps_does_not_mislead_the_search(selector, best,
         assert p.time_s == pytest.approx(t.time_s, rel=1e-2), limit
         assert p.energy_j == pytest.approx(t.energy_j, rel=2e-2), limit
     monitor.close()
+
+
+def test_steps_too_short_for_the_energy_counter_are_measured_over_more_of_them(caplog):
+    """Steps of 0.5 ms: 40 of them are a 20 ms window, a fifth of an A100's counter period,
+    extrapolated from power readings (86 % off at the highest limit), and the search chose
+    400 W where 225 W uses 30 % less energy. Such a limit is measured again over enough steps
+    for ten counter periods."""
+    work = 0.0005
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
+    with caplog.at_level(logging.WARNING, logger="joules"):
+        opt.on_train_begin()
+        while opt.state is not State.DONE:
+            opt.on_step_begin()
+            sim.run(work, CF)
+            opt.on_step_end()
+        opt.on_train_end()
+    assert "too short for the GPUs' energy counters: measuring" in caplog.text
+    assert opt.chosen_limit_w == 225.0
+    for limit, p in opt.points.items():
+        t = Simulator("A100")
+        t.set_workload(Constant(1.0), cpus=False)
+        t.gpus[0].set_power_limit_w(limit)
+        e0 = t.gpus[0].true_energy_j()
+        seconds = t.run(work, CF)
+        assert p.energy_j == pytest.approx(t.gpus[0].true_energy_j() - e0, rel=2e-2), limit
+        assert p.time_s == pytest.approx(seconds, rel=1e-2), limit
+    monitor.close()

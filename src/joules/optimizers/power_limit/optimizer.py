@@ -60,6 +60,8 @@ _READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads 
 _MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at most
 _OUTLIER_FACTOR = 3.0  # a step longer than this many times the median of its limit's is left out
 _OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
+_COUNTER_PERIODS = 10  # a limit whose windows were mostly shorter than one counter period is measured
+_MAX_EXTENSION = 64  # again over this many periods' worth of steps, at most this many times profile_steps
 _PERMISSION_FIX = (
     "changing GPU power limits needs root or the SYS_ADMIN capability (e.g. run the job with "
     "sudo, or in a container started with --cap-add SYS_ADMIN); pass dry_run=True to only measure"
@@ -93,6 +95,8 @@ class _Accumulator:
     why_lost: str = "device reads failed"  # what lost the latest of them
     gpu_energy_j: dict[int, float] = field(default_factory=dict)  # per counted GPU
     durations: list[float] = field(default_factory=list)  # of the steps measured, s
+    corrected_s: float = 0.0  # time in windows too short for a GPU's energy counter (``corrected``)
+    target: int = 0  # steps to measure (0: profile_steps; more where windows are too short)
 
 
 def _torch_dist() -> Any:
@@ -232,6 +236,7 @@ class PowerLimitOptimizer:
         self._moved_warned = 0
         self._last_end: float | None = None  # when the latest step ended (None: a pause since)
         self._outlier_warned = False
+        self._short_steps_warned = False
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
         self._applied: float | None = None
@@ -377,7 +382,7 @@ class PowerLimitOptimizer:
                 # Its steps count, unmeasured; from now on a window spans one step, so that
                 # such a step costs only itself.
                 self._lose_window(f"a step took over {_OUTLIER_FACTOR:g} times the others")
-                if acc.steps >= self.profile_steps:
+                if acc.steps >= self._target(acc):
                     self._complete()
                     return
                 self._split_steps = True
@@ -385,7 +390,7 @@ class PowerLimitOptimizer:
                 return
             if duration is not None:
                 acc.durations.append(duration)
-            if acc.steps + acc.segment_steps >= self.profile_steps:
+            if acc.steps + acc.segment_steps >= self._target(acc):
                 self._close()
                 self._complete()
             elif self._split_steps:  # pauses may come within steps: keep what is measured,
@@ -545,6 +550,15 @@ class PowerLimitOptimizer:
     def _window_name(self) -> str:
         return f"{_WINDOW}.{id(self)}"
 
+    def _counter_period_s(self) -> float:
+        """The longest energy-counter update period of the GPUs counted (0.1 s where unknown)."""
+        periods = [g.energy_counter_period_s() or 0.1 for g in self._counted]
+        return max(periods, default=0.1)
+
+    def _target(self, acc: _Accumulator) -> int:
+        """The steps to measure at ``acc``'s limit."""
+        return acc.target or self.profile_steps
+
     def _outlier(self, acc: _Accumulator, duration: float, warn: bool = True) -> bool:
         """Whether a step took over ``_OUTLIER_FACTOR`` times the median of this limit's steps.
 
@@ -613,6 +627,8 @@ class PowerLimitOptimizer:
         energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self._counted)
         for g in self._counted:
             acc.gpu_energy_j[g.index] = acc.gpu_energy_j.get(g.index, 0.0) + m.gpu_energy_j.get(g.index, 0.0)
+        if any(m.gpu[g.index].corrected for g in self._counted if g.index in m.gpu):
+            acc.corrected_s += m.elapsed_s
         acc.steps += acc.segment_steps
         acc.time_s += m.elapsed_s
         acc.energy_j += energy
@@ -667,6 +683,24 @@ class PowerLimitOptimizer:
                         acc.limit_w, int(fewest), acc.steps, acc.why_lost)
             self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1, why_lost=acc.why_lost)
             self._warm_up_again()
+            return
+        # Windows shorter than a GPU's counter period (steps of a millisecond or less) are
+        # extrapolated from power readings, off by tens of percent: measure again, over
+        # enough steps for a window of several counter periods.
+        short = acc.corrected_s / acc.time_s if acc.time_s > 0 else 0.0
+        short = self._allreduce([short], "max")[0]
+        target = self._target(acc)
+        most = _MAX_EXTENSION * self.profile_steps
+        if short > 0.5 and target < most:
+            # (every rank alike: the longest step and counter period of any)
+            per_step, period = self._allreduce([acc.time_s / measured, self._counter_period_s()], "max")
+            wanted = math.ceil(_COUNTER_PERIODS * period / per_step) if per_step > 0 else most
+            self._acc = _Accumulator(acc.limit_w, target=min(most, max(2 * target, wanted)))
+            if not self._short_steps_warned:
+                self._short_steps_warned = True
+                log.warning("the %d steps measured at %g W (%.3g ms each) are too short for the GPUs' energy "
+                            "counters: measuring %d steps instead (profile_steps=%d would do at once)",
+                            target, acc.limit_w, 1e3 * per_step, self._acc.target, self._acc.target)
             return
         time_s, energy_j = acc.time_s / measured, acc.energy_j / measured
         time_s = self._allreduce([time_s], "max")[0]
