@@ -147,6 +147,9 @@ def test_plan_errors_are_one_line(fake_solver, profile_csv: Path, tmp_path: Path
     assert "--unit-time" in error_line(capsys)
     assert main(plan_args(profile_csv, out, "--p2p-power", "-1")) == 2
     assert "--p2p-power" in error_line(capsys)
+    assert main(plan_args(profile_csv, out, microbatches=10_000_000)) == 2  # built a huge DAG, for hours
+    assert "--stages 3 x --microbatches 10000000 is 60,000,000 computations, beyond the 20,000" in error_line(
+        capsys)
     # A stage with forward rows only.
     lacking = tmp_path / "lacking.csv"
     lines = profile_csv.read_text().splitlines()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 pipeline_app = typer.Typer(help="Plan per-computation GPU frequencies of pipeline-parallel training.",
                            no_args_is_help=True)
 
+MAX_COMPUTATIONS = 20_000  # per iteration (16 stages x 64 microbatches, 2,048, take minutes): a typo's guard
 PROFILE_COPY = "profile.csv"
 PICTURE = "schedule.svg"
 
@@ -108,6 +109,10 @@ def plan(
         print(f"joules: warning: --unit-time {unit_time:g} s is longer than the shortest profiled "
               f"computation ({shortest:.3g} s), so the frontier is coarse; a smaller unit gives "
               f"more plans", file=sys.stderr)
+    computations = 2 * stages * microbatches
+    if computations > MAX_COMPUTATIONS:
+        raise JoulesError(f"--stages {stages} x --microbatches {microbatches} is {computations:,} "
+                          f"computations, beyond the {MAX_COMPUTATIONS:,} the planner takes (a typo?)")
     dag = build_dag(name, stages, microbatches)
     if method not in METHODS:
         raise JoulesError(f"bad --method {method!r} (expected {', '.join(METHODS)})")
