@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sim == "none":
         monitor = EnergyMonitor(sync="torch")  # the real GPUs
         sim = None
+        if not monitor.gpus:
+            print("no GPU found to optimize: run with --sim SPEC to simulate some (see `joules info`)",
+                  file=sys.stderr)
+            return 1
     else:
         sim = Simulator(args.sim)  # sim: simulated GPUs on a virtual clock
         sim.set_workload(Constant(1.0), cpus=False)  # sim: busy GPUs while training
