@@ -33,9 +33,10 @@ def _truth(rank: int, limit: float) -> tuple[float, float]:
     return t, sim.gpus[0].true_energy_j() - e0
 
 
-def _worker(rank: int, port: int, out: Path, store: Path, shared: bool = False) -> None:
+def _worker(rank: int, port: int, out: Path, store: Path, shared: bool = False, stall: bool = False) -> None:
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     from joules.devices.sim import Constant, Simulator
@@ -53,13 +54,21 @@ def _worker(rank: int, port: int, out: Path, store: Path, shared: bool = False) 
                                   workload="mlp", store=store, handle_signals=False)
         seen = []
         opt.on_train_begin()
+        step = 0
         for _epoch in range(4):
             opt.on_epoch_begin()
             for _ in range(60):
                 opt.on_step_begin()
                 seen.append(sim.gpus[0].power_limit_w())
+                if stall and rank == 0 and step == 8:
+                    sim.advance(1.0)  # a stall on this rank only: it alone measures steps one by one
                 sim.run(WORK_S, CF[0] if shared else CF[rank])
+                if stall:
+                    dist.all_reduce(torch.ones(64))  # the step's gradient sync, as DDP's
+                    if step == 15:
+                        opt.pause()  # within the step, on every rank (an accumulation cycle)
                 opt.on_step_end()
+                step += 1
             opt.on_epoch_end()
         assert opt.state is State.DONE
         opt.on_train_end()
@@ -70,19 +79,20 @@ def _worker(rank: int, port: int, out: Path, store: Path, shared: bool = False) 
         dist.destroy_process_group()
 
 
-def _launch(port: int, out: Path, store: Path, shared: bool) -> int:
+def _launch(port: int, out: Path, store: Path, shared: bool, stall: bool) -> int:
     import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
 
-    return run_forked(_worker, [(r, port, out, store, shared) for r in range(WORLD)], timeout_s=60)
+    return run_forked(_worker, [(r, port, out, store, shared, stall) for r in range(WORLD)], timeout_s=60)
 
 
-def _run_world(out: Path, store: Path, shared: bool = False) -> list[dict]:
+def _run_world(out: Path, store: Path, shared: bool = False, stall: bool = False) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "JOULES_SIM": "",
            "JOULES_STATE_DIR": str(store.parent)}
     for _attempt in range(2):  # a second try in case another process took the free port
         cmd = [sys.executable, __file__, "--launch", str(free_port()), str(out), str(store)]
         cmd += ["--shared"] if shared else []
+        cmd += ["--stall"] if stall else []
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -124,6 +134,16 @@ def test_ranks_agree_on_the_limit_from_combined_measurements(tmp_path):
         assert set(d["seen"]) == {r0["chosen_limit_w"]}
 
 
+def test_ranks_stay_in_step_when_only_one_sees_a_stall(tmp_path):
+    """A stall on rank 0 alone made it measure steps one window each; a pause within a step then
+    dropped a different number of steps on each rank, which reached the limit's end (and its
+    collectives) at different steps: gloo failed, or the ranks ran at different limits."""
+    pytest.importorskip("torch.distributed")
+    r0, r1 = _run_world(tmp_path / "run", tmp_path / "state" / "profiles", stall=True)
+    assert r0["seen"] == r1["seen"]  # the same limit at every step, on both ranks
+    assert r0["report"]["chosen_limit_w"] == r1["report"]["chosen_limit_w"] is not None
+
+
 def test_ranks_that_see_the_same_gpus_count_each_once(tmp_path):
     """torchrun on one node sets no CUDA_VISIBLE_DEVICES per rank: every rank sees every GPU."""
     pytest.importorskip("torch.distributed")
@@ -143,5 +163,6 @@ def test_ranks_that_see_the_same_gpus_count_each_once(tmp_path):
         assert p["energy_per_step_j"] == pytest.approx(node_j, rel=1e-2)
 
 
-if __name__ == "__main__" and len(sys.argv) in (5, 6) and sys.argv[1] == "--launch":
-    sys.exit(_launch(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:] == ["--shared"]))
+if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "--launch":
+    sys.exit(_launch(int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), "--shared" in sys.argv[5:],
+                     "--stall" in sys.argv[5:]))

@@ -818,3 +818,23 @@ def test_steps_too_short_for_the_energy_counter_are_measured_over_more_of_them(c
         assert p.energy_j == pytest.approx(t.gpus[0].true_energy_j() - e0, rel=2e-2), limit
         assert p.time_s == pytest.approx(seconds, rel=1e-2), limit
     monitor.close()
+
+
+def test_one_window_per_step_is_not_measured_over_more_steps():
+    """Steps of 50 ms: after one stall each window is one step, shorter than the counter period
+    whatever the steps measured; measuring more of them (up to 64 x profile_steps) took 50,900
+    steps to profile instead of 500."""
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
+    opt.on_train_begin()
+    steps = 0
+    while opt.state is not State.DONE and steps < 5000:
+        opt.on_step_begin()
+        if steps == 30:
+            sim.advance(1.0)  # one stall
+        sim.run(0.05, CF)
+        opt.on_step_end()
+        steps += 1
+    opt.on_train_end()
+    assert opt.state is State.DONE and opt.chosen_limit_w == 225.0
+    assert steps <= 60 * len(opt.points)
+    monitor.close()

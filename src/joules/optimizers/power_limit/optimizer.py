@@ -35,6 +35,7 @@ import logging
 import math
 import socket
 import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ _READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads 
 _MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at most
 _OUTLIER_FACTOR = 3.0  # a step longer than this many times the median of its limit's is left out
 _OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
+_OUTLIER_HISTORY = 63  # latest steps whose median is the typical step
+_OUTLIER_SHARE = 0.1  # long steps more often than this are the workload's, not stalls
 _COUNTER_PERIODS = 10  # a limit whose windows were mostly shorter than one counter period is measured
 _MAX_EXTENSION = 64  # again over this many periods' worth of steps, at most this many times profile_steps
 _PERMISSION_FIX = (
@@ -94,7 +97,7 @@ class _Accumulator:
     retries: int = 0  # times this limit was profiled again, too few of its steps measured
     why_lost: str = "device reads failed"  # what lost the latest of them
     gpu_energy_j: dict[int, float] = field(default_factory=dict)  # per counted GPU
-    durations: list[float] = field(default_factory=list)  # of the steps measured, s
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=_OUTLIER_HISTORY))  # latest steps, s
     corrected_s: float = 0.0  # time in windows too short for a GPU's energy counter (``corrected``)
     target: int = 0  # steps to measure (0: profile_steps; more where windows are too short)
 
@@ -236,6 +239,8 @@ class PowerLimitOptimizer:
         self._moved_warned = 0
         self._last_end: float | None = None  # when the latest step ended (None: a pause since)
         self._outlier_warned = False
+        self._outliers = self._judged = 0  # steps found long, of those judged
+        self._outliers_off = False
         self._short_steps_warned = False
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
@@ -442,7 +447,9 @@ class PowerLimitOptimizer:
             self._idle_epochs = self._idle_epochs + 1 if idle else 0
         if self._window_open:
             if in_step:  # a pause within a step (between the batches of an accumulation cycle):
-                self._cancel()  # the window ends in a part-step
+                # The window ends in a part-step: its whole steps count, unmeasured (as on every
+                # rank, however each split its steps into windows).
+                self._lose_window("a pause came within a step")
                 self._split_steps = True  # from now on a window spans one step: only it is lost
             else:
                 self._close()
@@ -525,7 +532,7 @@ class PowerLimitOptimizer:
         profiles only what is left.
         """
         if self._window_open:
-            self._cancel()
+            self._lose_window("training ended")  # (its steps count, as on every rank)
         self._stepped = False
         if self.state is not State.READY:
             self._ended = True
@@ -565,10 +572,19 @@ class PowerLimitOptimizer:
         Those of its warm-up count (steps end to end, none across a pause), so that a step at
         the start of the measurement is judged too.
         """
-        if len(acc.durations) < _OUTLIER_MIN_STEPS:
+        if len(acc.durations) < _OUTLIER_MIN_STEPS or self._outliers_off:
             return False
         typical = statistics.median(acc.durations)
+        self._judged += 1
         if not duration > _OUTLIER_FACTOR * typical > 0:
+            return False
+        self._outliers += 1
+        if self._judged >= 50 and self._outliers > _OUTLIER_SHARE * self._judged:
+            # Long steps this often are the workload's own (an optimizer step every few
+            # micro-batches): they are measured like the others from now on.
+            self._outliers_off = True
+            log.info("steps over %g times the others are %d of %d: part of the workload, measured from "
+                     "now on", _OUTLIER_FACTOR, self._outliers, self._judged)
             return False
         if warn and not self._outlier_warned:
             self._outlier_warned = True
@@ -581,8 +597,9 @@ class PowerLimitOptimizer:
     def _lose_window(self, why: str) -> None:
         """Drop the open window: its steps count (as on every other rank), unmeasured."""
         acc = self._acc
-        assert acc is not None
         self._cancel()
+        if acc is None:
+            return
         acc.steps += acc.segment_steps
         acc.lost += acc.segment_steps
         acc.why_lost = why
@@ -594,6 +611,9 @@ class PowerLimitOptimizer:
         self._window_lost = False
         try:
             self.monitor.begin_window(self._window_name())
+        except WindowError:  # (a closed monitor, say: not a device read)
+            self._window_open = False
+            raise
         except JoulesError as e:  # a device read failed: the steps count, unmeasured
             self._window_lost = True
             self._read_failed(e)
@@ -612,6 +632,8 @@ class PowerLimitOptimizer:
         if not self._window_lost:
             try:
                 m = self.monitor.end_window(self._window_name())
+            except WindowError:
+                raise
             except JoulesError as e:  # (a window whose end failed stays open in the monitor)
                 self._read_failed(e)
         if m is not None and self._limit_moved(acc.limit_w):
@@ -681,21 +703,25 @@ class PowerLimitOptimizer:
                 return
             log.warning("too few steps measured at %g W (%d of %d: %s): profiling it again",
                         acc.limit_w, int(fewest), acc.steps, acc.why_lost)
-            self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1, why_lost=acc.why_lost)
+            self._acc = _Accumulator(acc.limit_w, retries=acc.retries + 1, why_lost=acc.why_lost,
+                                     target=acc.target)
             self._warm_up_again()
             return
         # Windows shorter than a GPU's counter period (steps of a millisecond or less) are
         # extrapolated from power readings, off by tens of percent: measure again, over
         # enough steps for a window of several counter periods.
+        # Once per limit, and only where more steps make a longer window: where one window held
+        # them all on every rank (not where pauses or a split into one-step windows cut them).
         short = acc.corrected_s / acc.time_s if acc.time_s > 0 else 0.0
-        short = self._allreduce([short], "max")[0]
+        short, windows = self._allreduce([short, float(acc.segments + self._split_steps)], "max")
         target = self._target(acc)
         most = _MAX_EXTENSION * self.profile_steps
-        if short > 0.5 and target < most:
+        if short > 0.5 and windows <= 1 and not acc.target and target < most:
             # (every rank alike: the longest step and counter period of any)
             per_step, period = self._allreduce([acc.time_s / measured, self._counter_period_s()], "max")
             wanted = math.ceil(_COUNTER_PERIODS * period / per_step) if per_step > 0 else most
-            self._acc = _Accumulator(acc.limit_w, target=min(most, max(2 * target, wanted)))
+            self._acc = _Accumulator(acc.limit_w, target=min(most, max(2 * target, wanted)),
+                                     retries=acc.retries)
             if not self._short_steps_warned:
                 self._short_steps_warned = True
                 log.warning("the %d steps measured at %g W (%.3g ms each) are too short for the GPUs' energy "
