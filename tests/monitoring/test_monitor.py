@@ -1579,8 +1579,8 @@ def test_work_starting_as_the_window_opens_is_within_the_uncertainty(spec: str) 
 def test_a_window_opened_as_the_monitor_starts_is_re_anchored_once_the_phase_is_known(spec: str) -> None:
     """The begin edge of a window opened with the monitor (as ``joules measure``'s is) cannot know
     when the counter last updated: it took the middle of the period before, up to half a
-    period of power off (1.7 J of 27.5 J on a 0.5 s idle A100 window), with a bound as wide.
-    By the end the phase is known and places that update within milliseconds."""
+    period of power off (1.7 J of 27.5 J on a 0.5 s idle A100 window). By the end the phase
+    is known and places that update within milliseconds."""
     for start in (0.013, 0.041, 0.067, 0.089):
         sim = Simulator(spec)
         sim.set_workload(Constant(0.6))
@@ -1591,8 +1591,9 @@ def test_a_window_opened_as_the_monitor_starts_is_re_anchored_once_the_phase_is_
         d = m.gpu[0]
         power = g.true_power_w()
         assert d.source is Source.COUNTER
-        # Before: off by 3-29 % of one period's energy, with a bound of 53-84 % of it.
-        assert_bounded(d, truth["gpu"][0], 0.05 * power * g.model.counter_period_s + 0.01, start)
+        # Before: off by 3-29 % of one period's energy. The bound stays as wide (53-84 % of it):
+        # a single power reading at the edge says nothing of how the power varied before it.
+        assert_bounded(d, truth["gpu"][0], power * g.model.counter_period_s, start)
         assert abs(d.energy_j - truth["gpu"][0]) <= 0.01 * power * g.model.counter_period_s + 0.005, start
         mon.close()
 

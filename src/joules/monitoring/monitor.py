@@ -230,18 +230,18 @@ class EnergyMonitor:
         An edge read before the counter's phase was learned (a window opened as the monitor
         starts, as ``joules measure``'s does) placed the update behind its value anywhere in
         the period before the read, and extrapolated from the middle of it: up to half a
-        period of power off, and bounded by as much. By the window's end the phase is usually
-        known, and the same observation places that update within a few milliseconds.
+        period of power off. By the window's end the phase is usually known, and the same
+        observation places that update within a few milliseconds: the edge's energy is taken
+        from there. Its bound stays the edge's own: how the power varied between that update
+        and the edge is no better known than before (a single power reading, as the monitor
+        starts, shows no spread; a burst there is only in the counter's next value).
         """
         known = tracker.update_of(b.counter)
         if known is None or not known[1] < b.half or not math.isfinite(b.power):
             return b
         tick, half = known
         since = b.t - tick if b.t > tick else 0.0
-        return replace(
-            b, energy=b.counter + b.power * since, tick=tick, half=half,
-            uncertainty=b.spread * since + b.power * half + _GPU_COUNTER_RESOLUTION_J,
-        )
+        return replace(b, energy=b.counter + b.power * since, tick=tick, half=half)
 
     @staticmethod
     def _interpolated_begin(tracker: CounterTracker, b: _GPUEdge, e: _GPUEdge) -> tuple[float, float]:
