@@ -1692,4 +1692,17 @@ def test_a_gap_in_the_samples_of_a_gpu_without_a_counter_widens_its_bound(
     # A window beside the gap is not widened.
     m, truth = measure_span(sim, mon, "after", 1.0)
     assert_bounded(m.gpu[0], truth["gpu"][0], steady_ceiling(gpu))
+    # Reads that fail until the window ends (working again only for its end edge): the gap
+    # is still open, and counts up to the end.
+    before = Truth(sim)
+    mon.begin_window("open")
+    sim.advance(1.0)
+    failing[0] = True
+    sim.set_workload(Constant(1.0))
+    sim.advance(3.0)
+    failing[0] = False
+    m = mon.end_window("open")
+    true = Truth(sim).since(before)["gpu"][0]
+    assert abs(m.gpu[0].energy_j - true) > 100
+    assert_bounded(m.gpu[0], true, 3.1 * gpu.power_limit_range_w()[1] + steady_ceiling(gpu))
     mon.close()

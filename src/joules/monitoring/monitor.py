@@ -626,7 +626,9 @@ class EnergyMonitor:
         Over a gap (reads that failed, say) the power was taken as the next reading's; it may
         have been anything from 0 W to the GPU's highest power.
         """
-        missed = self.sampler.missed_s(gpu.index, start, end)
+        # Each span less what the sampled bound already allows (an interval and a sensor period).
+        slack = self.sampler.interval_s + (gpu.power_update_period_s() or 0.0)
+        missed = self.sampler.missed_s(gpu.index, start, end, slack)
         if not missed:
             return 0.0
         return missed * self._ceiling(k, energy, elapsed)

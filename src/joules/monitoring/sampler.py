@@ -41,7 +41,8 @@ _MIN_INTERVAL_S = 0.0107
 _UNKNOWN_PERIOD_BOUND_S = 0.1
 
 
-_GAP_INTERVALS = 2.5  # samples further apart than this many intervals leave a gap (missed_s)
+_GAP_INTERVALS = 10  # samples further apart than this many intervals, and than _GAP_MIN_S, leave a gap
+_GAP_MIN_S = 0.25  # (missed_s) even where no read failed: a thread held up that long
 
 
 class CounterTracker:
@@ -312,9 +313,10 @@ class _GPUTrack:
     # and their median.
     read_costs: deque[float] = field(default_factory=lambda: deque(maxlen=15))
     read_cost: float | None = None
-    # Spans between two samples much longer than the interval (reads failed, or the thread
-    # could not run): the integral assumed the later reading's power over them.
+    # Spans between two samples where reads failed (or the thread could not run for long):
+    # the integral assumed the later reading's power over them.
     gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
+    failing_since: float = math.nan  # reads have failed since this time (NaN: the latest worked)
 
 
 class PowerSampler:
@@ -417,6 +419,8 @@ class PowerSampler:
                 t = self.clock.now()
             except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
                 self.errors += 1
+                if math.isnan(track.failing_since):
+                    track.failing_since = self.clock.now()
                 continue
             update = track.sensor.observe(t, p, t_before)[1] if track.sensor is not None else None
             # Energy comes from the counter where there is one: keep the plain integral there.
@@ -452,8 +456,10 @@ class PowerSampler:
         with self._lock:
             if track.count:
                 previous = float(track.times[(track.count - 1) % self.capacity])
-                if t - previous > _GAP_INTERVALS * self.interval_s:
+                if not math.isnan(track.failing_since) or t - previous > max(_GAP_INTERVALS * self.interval_s,
+                                                                             _GAP_MIN_S):
                     track.gaps.append((previous, t))
+            track.failing_since = math.nan
             if update is None:
                 if track.count and t > track.last_t:
                     track.energy += p * (t - track.last_t)
@@ -478,16 +484,20 @@ class PowerSampler:
             track.recent_min = min(p, track.recent_min * 0.98 + p * 0.02)
 
     # -- queries (O(1)) ---------------------------------------------------------------------
-    def missed_s(self, index: int, start: float, end: float) -> float:
-        """Seconds of ``[start, end]`` within gaps between GPU ``index``'s samples.
+    def missed_s(self, index: int, start: float, end: float, slack: float = 0.0) -> float:
+        """Seconds of ``[start, end]`` in gaps between GPU ``index``'s samples, less ``slack`` each.
 
-        A gap is a span between two samples longer than ``_GAP_INTERVALS`` sampling intervals
-        (failed reads, or a thread that could not run); its energy was taken at the later
-        reading's power.
+        A gap is a span between two samples where reads failed, or longer than
+        ``_GAP_INTERVALS`` intervals and ``_GAP_MIN_S`` (a thread that could not run for
+        long); its energy was taken at the later reading's power. Reads failing still count
+        up to ``end``. ``slack``: what each span could be off anyway (already bounded).
         """
         with self._lock:
-            gaps = list(self._tracks[index].gaps)
-        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in gaps)
+            track = self._tracks[index]
+            gaps = list(track.gaps)
+            if not math.isnan(track.failing_since) and track.count:
+                gaps.append((float(track.times[(track.count - 1) % self.capacity]), end))
+        return sum(max(0.0, min(b, end) - max(a, start) - slack) for a, b in gaps)
 
     def sample_now(self, index: int) -> None:
         """Take one sample of GPU ``index`` immediately (used when none exists yet)."""
