@@ -180,12 +180,14 @@ def run_measured(command: list[str], monitor: EnergyMonitor) -> tuple[int, Measu
         previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child handles Ctrl-C
         try:
             code = proc.wait()
+            # (still under the handlers: a signal while the end is read, tried again, is passed
+            # on to the command, which has ended, rather than end joules without its report)
+            return code, end_measurement(monitor, "command", "as the command ended")
         finally:
             signal.signal(signal.SIGINT, previous_int)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return code, end_measurement(monitor, "command", "as the command ended")
 
 
 _END_TRIES = 3
@@ -201,7 +203,8 @@ def end_measurement(monitor: EnergyMonitor, name: str, when: str) -> Measurement
             return monitor.end_window(name)
         except JoulesError as e:
             error = e
-            time.sleep(0.02 * (attempt + 1))
+            if attempt + 1 < _END_TRIES:
+                time.sleep(0.02 * (attempt + 1))
     print(f"joules: warning: the devices could not be read {when} ({error}): nothing was measured",
           file=sys.stderr)
     return None

@@ -148,6 +148,8 @@ def register(app: typer.Typer) -> None:
                 monitor.close()
         export_timeline(monitor, timeline)  # first: the totals' reader may be gone
         if m is None:  # no totals (said on stderr)
+            if as_json:
+                print_out(json.dumps({"error": "the devices could not be read at the end: no totals"}))
             raise typer.Exit(1)
         if as_json:
             print_out(json.dumps({"time_s": m.elapsed_s, "energy_j": {
