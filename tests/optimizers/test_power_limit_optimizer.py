@@ -838,3 +838,31 @@ def test_one_window_per_step_is_not_measured_over_more_steps():
     assert opt.state is State.DONE and opt.chosen_limit_w == 225.0
     assert steps <= 60 * len(opt.points)
     monitor.close()
+
+
+def test_the_busiest_gpus_power_is_saved_with_the_profile(tmp_path):
+    """A job that takes the highest limit's point from the saved profile had no per-GPU power:
+    with an idle GPU beside a busy one it chose 150 W again where 175 W uses less."""
+
+    def job(stop_after_reference: bool) -> PowerLimitOptimizer:
+        sim = Simulator("V100x2")
+        sim.gpus[0].set_workload(Constant(1.0))
+        sim.gpus[1].set_workload(Constant(0.0))
+        monitor = EnergyMonitor(devices=sim.devices())
+        opt = PowerLimitOptimizer(monitor, selector="energy", warmup_steps=2, profile_steps=10,
+                                  workload="mlp", store=tmp_path / "profiles", handle_signals=False)
+        opt.on_train_begin()
+        while opt.state is not State.DONE and not (stop_after_reference and opt.points):
+            opt.on_step_begin()
+            sim.run(WORK_S, 1.0)
+            opt.on_step_end()
+        opt.on_train_end()  # (interrupted: the partial search is saved)
+        monitor.close()
+        return opt
+
+    first = job(stop_after_reference=True)
+    assert list(first.points) == [300.0]
+    (saved,) = (tmp_path / "profiles").glob("*.json")
+    assert json.loads(saved.read_text())["busiest_gpu_w"] == pytest.approx(290.0, rel=1e-3)
+    second = job(stop_after_reference=False)
+    assert second.reused_limits_w == [300.0] and second.chosen_limit_w == 175.0

@@ -239,6 +239,7 @@ class PowerLimitOptimizer:
         self._moved_warned = 0
         self._last_end: float | None = None  # when the latest step ended (None: a pause since)
         self._outlier_warned = False
+        self._busiest_saved_w: float | None = None
         self._outliers = self._judged = 0  # steps found long, of those judged
         self._outliers_off = False
         self._short_steps_warned = False
@@ -321,6 +322,8 @@ class PowerLimitOptimizer:
         self.limits_w = self._candidate_limits()
         saved = self._load_saved() or []
         self.search = self._make_search()
+        if isinstance(self.search, Adaptive) and self._busiest_saved_w is not None:
+            self.search.busiest_w = self._busiest_saved_w  # (the reference comes from the saved profile)
         for point in saved:
             self.search.record(point)
             self.points[point.limit_w] = point
@@ -854,9 +857,11 @@ class PowerLimitOptimizer:
     def _load_saved(self) -> list[LimitPoint] | None:
         """The saved points at the current candidate limits (rank 0 reads, and broadcasts)."""
         points: list[LimitPoint] | None = None
+        busiest: float | None = None
         if self.workload is not None and self._rank() == 0:
             try:
                 saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+                busiest = self._saved_busiest()
             except (ProfileError, OSError) as e:  # never fail training over a cache (nor hang
                 log.warning("not using the saved power-limit profile: %s", e)  # other ranks)
                 saved = []
@@ -869,10 +874,19 @@ class PowerLimitOptimizer:
                 log.info("saved profile for %r: %d point(s) at limits that are not candidates now are "
                          "left aside", self.workload, len(saved) - len(points or []))
         if self._dist is not None:
-            box = [points]
+            box = [points, busiest]
             self._dist.broadcast_object_list(box, src=0)
-            points = box[0]
+            points, busiest = box
+        self._busiest_saved_w = busiest
         return points
+
+    def _saved_busiest(self) -> float | None:
+        """The busiest GPU's power at the highest limit, as the saved profile has it (if at this one)."""
+        meta = self.store.meta(self._model, self.total_gpus, self.workload or "")
+        value, at = meta.get("busiest_gpu_w"), meta.get("busiest_at_w")
+        if isinstance(value, int | float) and at == self.limits_w[0] and math.isfinite(value) and value > 0:
+            return float(value)
+        return None
 
     def _save(self) -> None:
         """Add the points measured now to the saved profile (rank 0; never fails training)."""
@@ -886,10 +900,12 @@ class PowerLimitOptimizer:
         merged = {p.limit_w: p for p in saved}
         merged.update((x, self.points[x]) for x in self._measured)
         points = [merged[x] for x in sorted(merged, reverse=True)]
+        busiest = getattr(self.search, "busiest_w", None)
+        extra = {"busiest_gpu_w": busiest, "busiest_at_w": self.limits_w[0]} if busiest is not None else {}
         try:
             path = self.store.save(self._model, self.total_gpus, self.workload, points,
                                    warmup_steps=self.warmup_steps, profile_steps=self.profile_steps,
-                                   selector=repr(self.selector))
+                                   selector=repr(self.selector), **extra)
             log.info("saved the profile to %s", path)
         except OSError as e:  # never fail training over a cache
             log.warning("could not save the power-limit profile: %s", e)

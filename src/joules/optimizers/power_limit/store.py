@@ -96,6 +96,14 @@ class ProfileStore:
                 f"saved profile {path} has malformed points; delete it to profile again") from None
         return points or None
 
+    def meta(self, gpu_model: str, gpus: int, workload: str) -> dict[str, object]:
+        """The saved profile's other fields than its points (``{}`` without a readable one)."""
+        try:
+            data = json.loads(self.path(gpu_model, gpus, workload).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if k != "points"} if isinstance(data, dict) else {}
+
     def save(self, gpu_model: str, gpus: int, workload: str, points: Sequence[LimitPoint],
              **meta: object) -> Path:
         """Save ``points`` (time and energy per step at each limit) for this key; return the file."""
