@@ -866,3 +866,62 @@ def test_the_busiest_gpus_power_is_saved_with_the_profile(tmp_path):
     assert json.loads(saved.read_text())["busiest_gpu_w"] == pytest.approx(290.0, rel=1e-3)
     second = job(stop_after_reference=False)
     assert second.reused_limits_w == [300.0] and second.chosen_limit_w == 175.0
+
+
+@pytest.mark.parametrize("period", [4, 8])
+def test_long_steps_that_are_the_workloads_own_are_measured(period):
+    """Every 4th (8th) step does 0.3 s more of host work (an optimizer step after micro-batches):
+    taken for stalls, they were left out of the highest limit's point (its time 43 % short),
+    and cost:0.5 chose 400 W where 250 W is best."""
+    from joules.optimizers.power_limit.selectors import parse_selector
+
+    def run_steps(opt, sim, n_max):
+        steps = 0
+        opt.on_train_begin()
+        while opt.state is not State.DONE and steps < n_max:
+            opt.on_step_begin()
+            sim.run(0.1, CF)
+            if steps % period == period - 1:
+                sim.set_workload(Constant(0.05), cpus=False)
+                sim.advance(0.3)
+                sim.set_workload(Constant(1.0), cpus=False)
+            opt.on_step_end()
+            steps += 1
+        opt.on_train_end()
+
+    sim, monitor, opt = make("A100", selector="cost:0.5", warmup_steps=10, profile_steps=40)
+    run_steps(opt, sim, 5000)
+    assert opt.state is State.DONE and opt.chosen_limit_w == 250.0
+    truth_sim = Simulator("A100")
+    truth_sim.set_workload(Constant(1.0), cpus=False)
+    t0 = truth_sim.clock.now()
+    for k in range(period):
+        truth_sim.run(0.1, CF)
+        if k == period - 1:
+            truth_sim.set_workload(Constant(0.05), cpus=False)
+            truth_sim.advance(0.3)
+    per_step = (truth_sim.clock.now() - t0) / period
+    assert opt.points[400.0].time_s == pytest.approx(per_step, rel=0.02)  # long steps included
+    assert parse_selector("cost:0.5", 1).choose(list(opt.points.values())).limit_w == 250.0
+    monitor.close()
+
+
+def test_giving_up_saves_what_was_measured(tmp_path):
+    """Profiling given up after three limits threw their points away: the next job measured them again."""
+    sim, monitor, opt = make("A100", selector="energy", search="sweep", warmup_steps=2, profile_steps=6,
+                             workload="mlp", store=tmp_path / "profiles")
+    opt.on_train_begin()
+    for _ in range(400):
+        opt.on_step_begin()
+        sim.run(WORK_S, CF)
+        opt.on_step_end()
+        if len(opt.points) == 3 and not hasattr(monitor, "_broken"):
+            monitor._broken = True
+            _failing_reads(monitor, every_begin=1, every_end=0)
+        if opt.state is State.DONE:
+            break
+    opt.on_train_end()
+    assert opt.chosen_limit_w is None and len(opt.points) == 3
+    saved = ProfileStore(tmp_path / "profiles").load(opt._model, 1, "mlp")
+    assert saved is not None and sorted(p.limit_w for p in saved) == sorted(opt.points)
+    monitor.close()

@@ -62,7 +62,9 @@ _MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at
 _OUTLIER_FACTOR = 3.0  # a step longer than this many times the median of its limit's is left out
 _OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
 _OUTLIER_HISTORY = 63  # latest steps whose median is the typical step
-_OUTLIER_SHARE = 0.1  # long steps more often than this are the workload's, not stalls
+_OUTLIER_SHARE = 0.1  # long steps more often than this are the workload's, not stalls,
+_OUTLIER_JUDGED = 20  # once this many steps were judged
+_CHUNK_PERIODS = 30  # after a long step, windows end after about this many counter periods
 _COUNTER_PERIODS = 10  # a limit whose windows were mostly shorter than one counter period is measured
 _MAX_EXTENSION = 64  # again over this many periods' worth of steps, at most this many times profile_steps
 _PERMISSION_FIX = (
@@ -242,6 +244,9 @@ class PowerLimitOptimizer:
         self._busiest_saved_w: float | None = None
         self._outliers = self._judged = 0  # steps found long, of those judged
         self._outliers_off = False
+        self._outliers_seen = False  # points were measured without long steps later found the workload's
+        self._chunk_s: float | None = None  # after a long step: windows end every so many seconds
+        self._window_t0 = 0.0
         self._short_steps_warned = False
         self._ended = False
         self._stepped = False  # a step ran since the last on_train_begin
@@ -387,13 +392,13 @@ class PowerLimitOptimizer:
             if duration is not None and self._outlier(acc, duration):
                 # The window holds a step far longer than the others (a data-loader stall, a
                 # checkpoint within the epoch): it would bias this limit's time and energy.
-                # Its steps count, unmeasured; from now on a window spans one step, so that
-                # such a step costs only itself.
+                # Its steps count, unmeasured; from now on windows end every 30 counter periods
+                # or so (3 s on most GPUs), so that such a step costs only its own stretch.
                 self._lose_window(f"a step took over {_OUTLIER_FACTOR:g} times the others")
                 if acc.steps >= self._target(acc):
                     self._complete()
                     return
-                self._split_steps = True
+                self._chunk_s = _CHUNK_PERIODS * self._counter_period_s()
                 self._open()
                 return
             if duration is not None:
@@ -401,9 +406,13 @@ class PowerLimitOptimizer:
             if acc.steps + acc.segment_steps >= self._target(acc):
                 self._close()
                 self._complete()
-            elif self._split_steps:  # pauses may come within steps: keep what is measured,
-                self._close()  # and go on from this step's end, so that the host work
-                self._open()  # between steps is measured as before the split
+            elif self._split_steps or (self._chunk_s is not None
+                                       and self.monitor.clock.now() - self._window_t0 >= self._chunk_s):
+                # Pauses may come within steps (or long steps, after one): keep what is measured,
+                # and go on from this step's end, so that the host work between steps is
+                # measured as before the split.
+                self._close()
+                self._open()
 
     def on_epoch_end(self) -> None:
         """An epoch ended: a profile in progress pauses until the next epoch has warmed up."""
@@ -525,6 +534,8 @@ class PowerLimitOptimizer:
         log.warning("%s: profiling is given up and the GPUs keep the limits they had", why)
         self._acc = None
         self.state = State.DONE
+        if self._measured:
+            self._save()  # what was measured serves the next job
         self.restore()
 
     def on_train_end(self) -> None:
@@ -582,10 +593,13 @@ class PowerLimitOptimizer:
         if not duration > _OUTLIER_FACTOR * typical > 0:
             return False
         self._outliers += 1
-        if self._judged >= 50 and self._outliers > _OUTLIER_SHARE * self._judged:
+        if self._judged >= _OUTLIER_JUDGED and self._outliers > _OUTLIER_SHARE * self._judged:
             # Long steps this often are the workload's own (an optimizer step every few
-            # micro-batches): they are measured like the others from now on.
+            # micro-batches): they are measured like the others from now on, and the points
+            # measured without them are measured again (decided with every rank, at the end
+            # of the current limit).
             self._outliers_off = True
+            self._outliers_seen = bool(self._measured) or acc.lost > 0
             log.info("steps over %g times the others are %d of %d: part of the workload, measured from "
                      "now on", _OUTLIER_FACTOR, self._outliers, self._judged)
             return False
@@ -593,7 +607,7 @@ class PowerLimitOptimizer:
             self._outlier_warned = True
             log.warning("a step took %.3g s, over %g times the others' %.3g s (a data-loader stall, a "
                         "checkpoint within the epoch?): such steps are left out of the power-limit "
-                        "profile, and from now on each step is measured in a window of its own",
+                        "profile, and from now on windows end every few seconds",
                         duration, _OUTLIER_FACTOR, typical)
         return True
 
@@ -612,6 +626,7 @@ class PowerLimitOptimizer:
         self._acc.segment_steps = 0
         self._window_open = True
         self._window_lost = False
+        self._window_t0 = self.monitor.clock.now()
         try:
             self.monitor.begin_window(self._window_name())
         except WindowError:  # (a closed monitor, say: not a device read)
@@ -696,6 +711,20 @@ class PowerLimitOptimizer:
     def _complete(self) -> None:
         acc = self._acc
         assert acc is not None and self.search is not None
+        # Points measured while the workload's own long steps were left out (on any rank) are
+        # measured again, from the highest limit.
+        if self._allreduce([float(self._outliers_seen)], "max")[0]:
+            self._outliers_seen = False
+            log.warning("the points measured so far left out long steps that are the workload's own: "
+                        "profiling again from the highest limit")
+            for x in self._measured:
+                self.points.pop(x, None)
+                self.search.points.pop(x, None)
+            self._measured = []
+            self._acc = _Accumulator(self.limits_w[0])
+            self._apply(self.limits_w[0])
+            self._warm_up_again()
+            return
         measured = acc.steps - acc.lost
         # Every rank decides alike, on the fewest steps any rank measured.
         fewest = -self._allreduce([-float(measured)], "max")[0]
@@ -901,7 +930,9 @@ class PowerLimitOptimizer:
         merged.update((x, self.points[x]) for x in self._measured)
         points = [merged[x] for x in sorted(merged, reverse=True)]
         busiest = getattr(self.search, "busiest_w", None)
-        extra = {"busiest_gpu_w": busiest, "busiest_at_w": self.limits_w[0]} if busiest is not None else {}
+        extra = {"busiest_gpu_w": busiest, "busiest_at_w": self.limits_w[0]} if busiest is not None else {
+            k: v for k, v in self.store.meta(self._model, self.total_gpus, self.workload).items()
+            if k in ("busiest_gpu_w", "busiest_at_w")}
         try:
             path = self.store.save(self._model, self.total_gpus, self.workload, points,
                                    warmup_steps=self.warmup_steps, profile_steps=self.profile_steps,
