@@ -503,7 +503,7 @@ class PowerLimitOptimizer:
             log.warning("training started again after a run that did not end (no on_train_end): "
                         "the measurement at %g W so far is discarded, and the limit profiled again",
                         acc.limit_w)
-            self._acc = _Accumulator(acc.limit_w)
+            self._acc = _Accumulator(acc.limit_w, retries=acc.retries, target=acc.target)
             self._warm_up_again()
 
     def _wanted_limit(self) -> float | None:
