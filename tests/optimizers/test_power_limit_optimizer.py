@@ -925,3 +925,24 @@ def test_giving_up_saves_what_was_measured(tmp_path):
     saved = ProfileStore(tmp_path / "profiles").load(opt._model, 1, "mlp")
     assert saved is not None and sorted(p.limit_w for p in saved) == sorted(opt.points)
     monitor.close()
+
+
+def test_stalls_more_often_than_the_windows_end_shorten_them():
+    """A 0.4 s stall every 25 steps of 0.1 s (every 2.9 s) fell into every 3 s window: each was
+    dropped, the limit profiled again and again, and profiling given up. The windows shorten
+    until most steps are measured."""
+    sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
+    opt.on_train_begin()
+    steps = 0
+    while opt.state is not State.DONE and steps < 3000:
+        opt.on_step_begin()
+        sim.run(0.1, CF)
+        if steps % 25 == 24:
+            sim.set_workload(Constant(0.0), cpus=False)
+            sim.advance(0.4)
+            sim.set_workload(Constant(1.0), cpus=False)
+        opt.on_step_end()
+        steps += 1
+    opt.on_train_end()
+    assert opt.chosen_limit_w == 225.0 and steps < 1000
+    monitor.close()

@@ -395,10 +395,14 @@ class PowerLimitOptimizer:
                 # Its steps count, unmeasured; from now on windows end every 30 counter periods
                 # or so (3 s on most GPUs), so that such a step costs only its own stretch.
                 self._lose_window(f"a step took over {_OUTLIER_FACTOR:g} times the others")
+                period = self._counter_period_s()
+                if self._chunk_s is None:
+                    self._chunk_s = _CHUNK_PERIODS * period
+                elif self._chunk_s > 2 * period:  # long steps come more often than the windows end
+                    self._chunk_s /= 2
                 if acc.steps >= self._target(acc):
                     self._complete()
                     return
-                self._chunk_s = _CHUNK_PERIODS * self._counter_period_s()
                 self._open()
                 return
             if duration is not None:
@@ -715,6 +719,7 @@ class PowerLimitOptimizer:
         # measured again, from the highest limit.
         if self._allreduce([float(self._outliers_seen)], "max")[0]:
             self._outliers_seen = False
+            self._outliers_off = True  # on every rank: from now on every rank measures them
             log.warning("the points measured so far left out long steps that are the workload's own: "
                         "profiling again from the highest limit")
             for x in self._measured:
@@ -919,8 +924,8 @@ class PowerLimitOptimizer:
 
     def _save(self) -> None:
         """Add the points measured now to the saved profile (rank 0; never fails training)."""
-        if self.workload is None or self._rank() != 0 or self.dry_run:
-            return
+        if self.workload is None or self._rank() != 0 or self.dry_run or self._outliers_seen:
+            return  # (points that left out the workload's own long steps are not kept)
         try:
             saved = self.store.load(self._model, self.total_gpus, self.workload) or []
         except (ProfileError, OSError) as e:
