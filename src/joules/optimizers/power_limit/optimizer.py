@@ -393,7 +393,8 @@ class PowerLimitOptimizer:
                 # The window holds a step far longer than the others (a data-loader stall, a
                 # checkpoint within the epoch): it would bias this limit's time and energy.
                 # Its steps count, unmeasured; from now on windows end every 30 counter periods
-                # or so (3 s on most GPUs), so that such a step costs only its own stretch.
+                # or so (3 s on most GPUs; shorter while such steps keep falling into them), so
+                # that such a step costs only its own stretch.
                 self._lose_window(f"a step took over {_OUTLIER_FACTOR:g} times the others")
                 period = self._counter_period_s()
                 if self._chunk_s is None:
@@ -410,8 +411,7 @@ class PowerLimitOptimizer:
             if acc.steps + acc.segment_steps >= self._target(acc):
                 self._close()
                 self._complete()
-            elif self._split_steps or (self._chunk_s is not None
-                                       and self.monitor.clock.now() - self._window_t0 >= self._chunk_s):
+            elif self._split_steps or (self._chunk_s is not None and now - self._window_t0 >= self._chunk_s):
                 # Pauses may come within steps (or long steps, after one): keep what is measured,
                 # and go on from this step's end, so that the host work between steps is
                 # measured as before the split.
