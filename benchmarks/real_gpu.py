@@ -311,7 +311,9 @@ def lightning_dry_run(gpu: int, epochs: int = 3) -> dict[str, Any]:
     """A Lightning ``Trainer`` with ``PowerLimitCallback`` around a dry-run optimizer.
 
     A small MLP on random data, three candidate limits (the highest and 100 W, 200 W below
-    it), 5 warm-up and 20 profiled steps each: the search ends within the first epochs.
+    it), 5 warm-up and 20 profiled steps each; steps of a millisecond or two are then measured
+    again over enough of them for ten counter periods (some 700), so an epoch has 1,536 steps:
+    the search ends within the first two epochs.
     """
     import torch
 
@@ -340,7 +342,7 @@ def lightning_dry_run(gpu: int, epochs: int = 3) -> dict[str, Any]:
 
     model = MLP()
     width = model.net[0].in_features
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4096, width)),
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64 * 1536, width)),
                                          batch_size=64)
     mon = EnergyMonitor(gpu_indices=[gpu], cpu_indices=[])
     g = mon.devices.gpus[0]

@@ -64,6 +64,7 @@ _OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
 _OUTLIER_HISTORY = 63  # latest steps whose median is the typical step
 _OUTLIER_SHARE = 0.1  # long steps more often than this are the workload's, not stalls,
 _OUTLIER_JUDGED = 20  # once this many steps were judged
+_OUTLIER_BIAS = 0.01  # and only steps that would lengthen the limit's measured time by more than this
 _CHUNK_PERIODS = 30  # after a long step, windows end after about this many counter periods
 _COUNTER_PERIODS = 10  # a limit whose windows were mostly shorter than one counter period is measured
 _MAX_EXTENSION = 64  # again over this many periods' worth of steps, at most this many times profile_steps
@@ -587,14 +588,18 @@ class PowerLimitOptimizer:
     def _outlier(self, acc: _Accumulator, duration: float, warn: bool = True) -> bool:
         """Whether a step took over ``_OUTLIER_FACTOR`` times the median of this limit's steps.
 
-        Those of its warm-up count (steps end to end, none across a pause), so that a step at
-        the start of the measurement is judged too.
+        Its excess must also be over ``_OUTLIER_BIAS`` of the limit's measured time. The
+        median's steps are the limit's latest, those of its warm-up included (steps end to end,
+        none across a pause), so that a step at the start of the measurement is judged too.
         """
         if len(acc.durations) < _OUTLIER_MIN_STEPS or self._outliers_off:
             return False
         typical = statistics.median(acc.durations)
         self._judged += 1
-        if not duration > _OUTLIER_FACTOR * typical > 0:
+        # Far longer than the others, and long enough to bias the limit's time by over
+        # _OUTLIER_BIAS (a millisecond's hiccup among steps of a millisecond is neither).
+        if not (duration > _OUTLIER_FACTOR * typical > 0
+                and duration - typical > _OUTLIER_BIAS * typical * self._target(acc)):
             return False
         self._outliers += 1
         if self._judged >= _OUTLIER_JUDGED and self._outliers > _OUTLIER_SHARE * self._judged:
