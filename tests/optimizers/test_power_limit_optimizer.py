@@ -65,6 +65,25 @@ def train(sim, opt, epochs: int, steps: int, eval_s: float = 0.0, limits_seen=No
     opt.on_train_end()
 
 
+def train_with_stalls(sim, opt, work_s: float, every: int, stall_s: float, idle: float = 0.0,
+                      max_steps: int = 5000) -> int:
+    """Steps of ``work_s`` until the search is done, every ``every``-th one ``stall_s`` longer with
+    the GPU at ``idle`` (host work inside the step); the steps run."""
+    steps = 0
+    opt.on_train_begin()
+    while opt.state is not State.DONE and steps < max_steps:
+        opt.on_step_begin()
+        sim.run(work_s, CF)
+        if steps % every == every - 1:
+            sim.set_workload(Constant(idle), cpus=False)
+            sim.advance(stall_s)
+            sim.set_workload(Constant(1.0), cpus=False)
+        opt.on_step_end()
+        steps += 1
+    opt.on_train_end()
+    return steps
+
+
 def test_profiles_then_applies_best_limit_and_restores_previous_limit():
     sim, monitor, opt = make("A100", selector="energy")
     sim.gpus[0].set_power_limit_w(275.0)  # what the admin had set: comes back at the end
@@ -771,19 +790,8 @@ def test_a_stall_every_so_many_steps_does_not_mislead_the_search(selector, best,
     looked 15 % longer, the search stopped after two limits and chose 375 W (energy, 37 % above
     the best) or 400 W. Steps far longer than their limit's others are left out."""
     sim, monitor, opt = make("A100", selector=selector, warmup_steps=10, profile_steps=40)
-    step = 0
     with caplog.at_level(logging.WARNING, logger="joules"):
-        opt.on_train_begin()
-        while opt.state is not State.DONE:
-            opt.on_step_begin()
-            if step % 64 == 63:  # the GPU idles while the host stalls, inside the step
-                sim.set_workload(Constant(0.0), cpus=False)
-                sim.advance(1.0)
-                sim.set_workload(Constant(1.0), cpus=False)
-            sim.run(WORK_S, CF)
-            opt.on_step_end()
-            step += 1
-        opt.on_train_end()
+        train_with_stalls(sim, opt, WORK_S, every=64, stall_s=1.0)  # the GPU idles while the host stalls
     assert "over 3 times the others" in caplog.text
     assert opt.chosen_limit_w == best
     for limit, p in opt.points.items():  # each point is the limit's steady steps
@@ -875,22 +883,8 @@ def test_long_steps_that_are_the_workloads_own_are_measured(period):
     and cost:0.5 chose 400 W where 250 W is best."""
     from joules.optimizers.power_limit.selectors import parse_selector
 
-    def run_steps(opt, sim, n_max):
-        steps = 0
-        opt.on_train_begin()
-        while opt.state is not State.DONE and steps < n_max:
-            opt.on_step_begin()
-            sim.run(0.1, CF)
-            if steps % period == period - 1:
-                sim.set_workload(Constant(0.05), cpus=False)
-                sim.advance(0.3)
-                sim.set_workload(Constant(1.0), cpus=False)
-            opt.on_step_end()
-            steps += 1
-        opt.on_train_end()
-
     sim, monitor, opt = make("A100", selector="cost:0.5", warmup_steps=10, profile_steps=40)
-    run_steps(opt, sim, 5000)
+    train_with_stalls(sim, opt, 0.1, every=period, stall_s=0.3, idle=0.05)
     assert opt.state is State.DONE and opt.chosen_limit_w == 250.0
     truth_sim = Simulator("A100")
     truth_sim.set_workload(Constant(1.0), cpus=False)
@@ -932,17 +926,6 @@ def test_stalls_more_often_than_the_windows_end_shorten_them():
     dropped, the limit profiled again and again, and profiling given up. The windows shorten
     until most steps are measured."""
     sim, monitor, opt = make("A100", selector="energy", warmup_steps=10, profile_steps=40)
-    opt.on_train_begin()
-    steps = 0
-    while opt.state is not State.DONE and steps < 3000:
-        opt.on_step_begin()
-        sim.run(0.1, CF)
-        if steps % 25 == 24:
-            sim.set_workload(Constant(0.0), cpus=False)
-            sim.advance(0.4)
-            sim.set_workload(Constant(1.0), cpus=False)
-        opt.on_step_end()
-        steps += 1
-    opt.on_train_end()
+    steps = train_with_stalls(sim, opt, 0.1, every=25, stall_s=0.4, max_steps=3000)
     assert opt.chosen_limit_w == 225.0 and steps < 1000
     monitor.close()
