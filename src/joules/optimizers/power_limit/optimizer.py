@@ -57,7 +57,7 @@ log = logging.getLogger("joules.power_limit")
 SearchFactory = Callable[[Sequence[float], Selector], Search]
 _WINDOW = "joules.power_limit"
 _IDLE_EPOCHS = 3  # epochs in a row that measure no step before profiling is given up
-_READ_RETRIES = 3  # profiles of one limit that lost most steps to device reads before giving up
+_PROFILE_RETRIES = 3  # profiles of a limit that lost most steps (failed reads, stalls...) before giving up
 _MOVED_WARNINGS = 3  # warnings that a limit was changed under the optimizer, at most
 _OUTLIER_FACTOR = 3.0  # a step longer than this many times the median of its limit's is left out
 _OUTLIER_MIN_STEPS = 5  # steps measured at a limit before outliers are judged
@@ -370,11 +370,11 @@ class PowerLimitOptimizer:
         self._epoch_steps += 1
         self._interval_steps += 1
         acc = self._acc
+        if acc is None:
+            return
         now = self.monitor.clock.now()
         duration = None if self._last_end is None else now - self._last_end
         self._last_end = now
-        if acc is None:
-            return
         if self.state is State.WARMUP:
             if duration is not None and not self._outlier(acc, duration, warn=False):
                 acc.durations.append(duration)  # what a step takes at this limit
@@ -673,9 +673,10 @@ class PowerLimitOptimizer:
         self._window_open = False
         if acc.segment_steps == 0:
             return
-        energy = sum(m.gpu_energy_j.get(g.index, 0.0) for g in self._counted)
-        for g in self._counted:
-            acc.gpu_energy_j[g.index] = acc.gpu_energy_j.get(g.index, 0.0) + m.gpu_energy_j.get(g.index, 0.0)
+        per_gpu = {g.index: m.gpu_energy_j.get(g.index, 0.0) for g in self._counted}
+        for k, e in per_gpu.items():
+            acc.gpu_energy_j[k] = acc.gpu_energy_j.get(k, 0.0) + e
+        energy = sum(per_gpu.values())
         if any(m.gpu[g.index].corrected for g in self._counted if g.index in m.gpu):
             acc.corrected_s += m.elapsed_s
         acc.steps += acc.segment_steps
@@ -739,7 +740,7 @@ class PowerLimitOptimizer:
         # Every rank decides alike, on the fewest steps any rank measured.
         fewest = -self._allreduce([-float(measured)], "max")[0]
         if fewest < max(1, acc.steps // 2):
-            if acc.retries + 1 >= _READ_RETRIES:
+            if acc.retries + 1 >= _PROFILE_RETRIES:
                 self._give_up(f"most of the steps at {acc.limit_w:g} W could not be measured, "
                               f"{acc.retries + 1} times ({acc.why_lost})")
                 return
@@ -899,8 +900,9 @@ class PowerLimitOptimizer:
         busiest: float | None = None
         if self.workload is not None and self._rank() == 0:
             try:
-                saved = self.store.load(self._model, self.total_gpus, self.workload) or []
-                busiest = self._saved_busiest()
+                saved, meta = self.store.read(self._model, self.total_gpus, self.workload)
+                saved = saved or []
+                busiest = self._saved_busiest(meta)
             except (ProfileError, OSError) as e:  # never fail training over a cache (nor hang
                 log.warning("not using the saved power-limit profile: %s", e)  # other ranks)
                 saved = []
@@ -919,9 +921,8 @@ class PowerLimitOptimizer:
         self._busiest_saved_w = busiest
         return points
 
-    def _saved_busiest(self) -> float | None:
-        """The busiest GPU's power at the highest limit, as the saved profile has it (if at this one)."""
-        meta = self.store.meta(self._model, self.total_gpus, self.workload or "")
+    def _saved_busiest(self, meta: dict[str, Any]) -> float | None:
+        """The busiest GPU's power at the highest limit, as a saved profile's ``meta`` has it."""
         value, at = meta.get("busiest_gpu_w"), meta.get("busiest_at_w")
         if isinstance(value, int | float) and at == self.limits_w[0] and math.isfinite(value) and value > 0:
             return float(value)
@@ -932,17 +933,17 @@ class PowerLimitOptimizer:
         if self.workload is None or self._rank() != 0 or self.dry_run or self._outliers_seen:
             return  # (points that left out the workload's own long steps are not kept)
         try:
-            saved = self.store.load(self._model, self.total_gpus, self.workload) or []
+            saved, meta = self.store.read(self._model, self.total_gpus, self.workload)
         except (ProfileError, OSError) as e:
             log.warning("not saving the power-limit profile: %s", e)
             return
-        merged = {p.limit_w: p for p in saved}
+        merged = {p.limit_w: p for p in saved or []}
         merged.update((x, self.points[x]) for x in self._measured)
         points = [merged[x] for x in sorted(merged, reverse=True)]
         busiest = getattr(self.search, "busiest_w", None)
+        # (a job that did not measure it, a sweep's say, keeps the file's)
         extra = {"busiest_gpu_w": busiest, "busiest_at_w": self.limits_w[0]} if busiest is not None else {
-            k: v for k, v in self.store.meta(self._model, self.total_gpus, self.workload).items()
-            if k in ("busiest_gpu_w", "busiest_at_w")}
+            k: v for k, v in meta.items() if k in ("busiest_gpu_w", "busiest_at_w")}
         try:
             path = self.store.save(self._model, self.total_gpus, self.workload, points,
                                    warmup_steps=self.warmup_steps, profile_steps=self.profile_steps,

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from joules.optimizers.power_limit.profile import LimitPoint, ProfileError
 
@@ -63,18 +64,44 @@ class ProfileStore:
         Raises:
             ProfileError: The file exists but is not a profile of this key.
         """
+        return self.read(gpu_model, gpus, workload)[0]
+
+    def read(self, gpu_model: str, gpus: int,
+             workload: str) -> tuple[list[LimitPoint] | None, dict[str, Any]]:
+        """The saved points for this key (``None`` when there are none), and the file's other fields.
+
+        Raises:
+            ProfileError: The file exists but is not a profile of this key.
+        """
         path = self.path(gpu_model, gpus, workload)
         if not path.exists():
             # Saved before file names had the key's hash: used only if it is this key's.
-            legacy = self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}.json"
+            path = self.directory / f"{_slug(gpu_model)}-x{gpus}-{_slug(workload)}.json"
             try:
-                data = json.loads(legacy.read_text())
+                data = json.loads(path.read_text())
             except (OSError, ValueError):
-                return None
+                return None, {}
             if not isinstance(data, dict) or (data.get("gpu_model"), data.get("gpus"),
                                               data.get("workload")) != (gpu_model, gpus, workload):
-                return None
-            path = legacy
+                return None, {}
+        else:
+            data = self._parse(path)
+            if data is None:
+                return None, {}
+            key = (data.get("gpu_model"), data.get("gpus"), data.get("workload"))
+            if key != (gpu_model, gpus, workload):
+                raise ProfileError(f"saved profile {path} is for {key}, not {(gpu_model, gpus, workload)}")
+        try:
+            points = [LimitPoint(float(p["limit_w"]), float(p["time_s"]), float(p["energy_j"]))
+                      for p in data["points"]]
+        except (KeyError, TypeError, ValueError):
+            raise ProfileError(
+                f"saved profile {path} has malformed points; delete it to profile again") from None
+        return points or None, {k: v for k, v in data.items() if k != "points"}
+
+    @staticmethod
+    def _parse(path: Path) -> dict[str, Any] | None:
+        """The profile object in ``path`` (``None``: gone meanwhile), its key not yet checked."""
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -85,24 +112,7 @@ class ProfileStore:
         if not isinstance(data, dict):
             raise ProfileError(
                 f"saved profile {path} is not a profile (a JSON object); delete it to profile again")
-        key = (data.get("gpu_model"), data.get("gpus"), data.get("workload"))
-        if key != (gpu_model, gpus, workload):
-            raise ProfileError(f"saved profile {path} is for {key}, not {(gpu_model, gpus, workload)}")
-        try:
-            points = [LimitPoint(float(p["limit_w"]), float(p["time_s"]), float(p["energy_j"]))
-                      for p in data["points"]]
-        except (KeyError, TypeError, ValueError):
-            raise ProfileError(
-                f"saved profile {path} has malformed points; delete it to profile again") from None
-        return points or None
-
-    def meta(self, gpu_model: str, gpus: int, workload: str) -> dict[str, object]:
-        """The saved profile's other fields than its points (``{}`` without a readable one)."""
-        try:
-            data = json.loads(self.path(gpu_model, gpus, workload).read_text())
-        except (OSError, ValueError):
-            return {}
-        return {k: v for k, v in data.items() if k != "points"} if isinstance(data, dict) else {}
+        return data
 
     def save(self, gpu_model: str, gpus: int, workload: str, points: Sequence[LimitPoint],
              **meta: object) -> Path:
