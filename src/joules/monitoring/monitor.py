@@ -46,7 +46,6 @@ class _GPUEdge:
     integral: float = math.nan  # sampler's running integral of sampled power at the edge, J
     half: float = math.nan  # half width of ``tick``'s estimate
     power: float = math.nan  # the power reading extrapolated from ``tick``, W
-    spread: float = math.nan  # how far the power may differ from it, W
 
 
 @dataclass(slots=True)
@@ -374,7 +373,7 @@ class EnergyMonitor:
                 spread * since + power * half_width + _GPU_COUNTER_RESOLUTION_J,
                 # The sampled-power integral too: the fallback should the counter reset.
                 samples, t, c, tick, tracker.resets, sampler.integral_now(gpu.index, t),
-                half_width, power, spread,
+                half_width, power,
             ))
         t = now()
         cpu = [c.package_energy_j() for c in self.cpus]

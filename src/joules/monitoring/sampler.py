@@ -352,6 +352,7 @@ class PowerSampler:
         if interval_s <= 0:
             raise ValueError(f"sampling interval must be positive, got {interval_s}")
         self.interval_s = interval_s
+        self._gap_s = max(_GAP_INTERVALS * interval_s, _GAP_MIN_S)  # a longer span between samples is a gap
         self.capacity = capacity
         self._tracks: dict[int, _GPUTrack] = {}
         for g in gpus:
@@ -456,8 +457,7 @@ class PowerSampler:
         with self._lock:
             if track.count:
                 previous = float(track.times[(track.count - 1) % self.capacity])
-                if not math.isnan(track.failing_since) or t - previous > max(_GAP_INTERVALS * self.interval_s,
-                                                                             _GAP_MIN_S):
+                if not math.isnan(track.failing_since) or t - previous > self._gap_s:
                     track.gaps.append((previous, t))
             track.failing_since = math.nan
             if update is None:
