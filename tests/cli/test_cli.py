@@ -73,8 +73,8 @@ def test_measure_json_reports_energy_per_device() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out) == {"command", "exit_code", "time_s", "gpu_energy_j", "cpu_energy_j",
-                        "dram_energy_j", "total_energy_j", "uncertainty_j", "sources"}
-    assert out["exit_code"] == 0
+                        "dram_energy_j", "total_energy_j", "uncertainty_j", "sources", "missing"}
+    assert out["exit_code"] == 0 and out["missing"] == []
     assert 0.4 <= out["time_s"] < 3.0
     # An idle simulated H100 draws 70 W; the Xeon 8480 package 95 W and its DRAM 12 W.
     assert out["gpu_energy_j"]["0"] == pytest.approx(70 * out["time_s"], rel=0.25)
@@ -568,11 +568,11 @@ def test_measure_keeps_the_commands_exit_code_when_the_last_read_fails(
     real_end = EnergyMonitor.end_window
     left = [failures]
 
-    def end_window(self: EnergyMonitor, name: str):  # type: ignore[no-untyped-def]
+    def end_window(self: EnergyMonitor, name: str, partial: bool = False):  # type: ignore[no-untyped-def]
         if left[0] > 0:
             left[0] -= 1
             raise JoulesError("GPU 0 (sim): NVML error trying to read the energy counter: Timeout")
-        return real_end(self, name)
+        return real_end(self, name, partial=partial)
 
     monkeypatch.setattr(EnergyMonitor, "end_window", end_window)
     assert main(["measure", "--json", "--sim", "A100", "--", "sh", "-c", "exit 3"]) == 3
@@ -585,6 +585,52 @@ def test_measure_keeps_the_commands_exit_code_when_the_last_read_fails(
         assert "nothing was measured" in result["error"] and "gpu_energy_j" not in result
         assert "joules: warning: the devices could not be read as the command ended" in err
         assert "Timeout" in err
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_measure_reports_what_it_can_read_when_a_device_stays_unreadable(
+        as_json: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU counter and a DRAM zone that cannot be read as the command ends lost every device's
+    totals: the GPU is measured from its power samples, the DRAM zone is left out and named."""
+    import threading
+    import time
+
+    from joules.devices.sim.cpu import SimCPU
+    from joules.devices.sim.gpu import SimGPU
+    from joules.errors import JoulesError
+
+    calls = {"energy_j": 0, "dram_energy_j": 0}
+    began: list[float] = []
+
+    def failing(name: str, real):  # type: ignore[no-untyped-def]
+        def read(self):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is threading.main_thread() and not began:
+                began.append(time.monotonic())  # the begin edge
+            elif began and time.monotonic() > began[0] + 0.3:  # from then on, every read fails
+                calls[name] += 1
+                raise JoulesError(f"{name} (sim): read failed: Unknown Error")
+            return real(self)
+        return read
+
+    monkeypatch.setattr(SimGPU, "energy_j", failing("energy_j", SimGPU.energy_j))
+    monkeypatch.setattr(SimCPU, "dram_energy_j", failing("dram_energy_j", SimCPU.dram_energy_j))
+    args = ["measure", "--sim", "H100", "--", sys.executable, "-c", "import time; time.sleep(0.5); exit(5)"]
+    assert main(["measure", "--json", *args[1:]] if as_json else args) == 5
+    out, err = capsys.readouterr()
+    assert calls["energy_j"] >= 3 and calls["dram_energy_j"] >= 1  # tried three times, then a lenient end
+    assert "joules: warning: a device could not be read as the command ended" in err
+    assert "left out of the totals: dram0" in err and "Unknown Error" in err
+    if as_json:
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["missing"] == ["dram0"] and r["dram_energy_j"] == {}
+        assert r["sources"]["gpu0"] == "sampled"  # from the power samples
+        # An idle simulated H100 draws 70 W; the Xeon 8480 package 95 W.
+        assert r["gpu_energy_j"]["0"] == pytest.approx(70 * r["time_s"], rel=0.25)
+        assert r["cpu_energy_j"]["0"] == pytest.approx(95 * r["time_s"], rel=0.1)
+        assert r["total_energy_j"] == pytest.approx(r["gpu_energy_j"]["0"] + r["cpu_energy_j"]["0"])
+    else:
+        rows = {line.split("│")[1].strip(): line for line in err.splitlines() if line.count("│") > 4}
+        assert "not read at the end" in rows["DRAM 0"] and "sampled" in rows["GPU 0"]
 
 
 def test_power_leaves_out_a_reading_that_fails_and_still_prints_totals(

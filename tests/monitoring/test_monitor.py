@@ -1706,3 +1706,74 @@ def test_a_gap_in_the_samples_of_a_gpu_without_a_counter_widens_its_bound(
     assert abs(m.gpu[0].energy_j - true) > 100
     assert_bounded(m.gpu[0], true, 3.1 * gpu.power_limit_range_w()[1] + steady_ceiling(gpu))
     mon.close()
+
+
+# -- a partial end: devices that cannot be read are left out, not every device's numbers ---------
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_partial_end_measures_the_devices_it_can_read(suffix: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU whose counter and power stopped answering 2 s before the end (the load changed
+    meanwhile) and a CPU package that cannot be read at the end: ``end_window`` fails, and with
+    ``partial=True`` every other device is measured as usual, the GPU from its power samples with
+    a bound covering the unseen 2 s, and the package is named as left out."""
+    from joules.errors import JoulesError
+
+    log = tmp_path / f"windows{suffix}"
+    sim, mon = setup("A100x2,XEON8480x2", Constant(0.3), warm=5.0, log=log)
+    gone = sim.gpus[1]
+    down = {"gpu": False, "cpu": False}
+
+    def fails(kind: str, who: object, real):  # type: ignore[no-untyped-def]
+        def read(self):  # type: ignore[no-untyped-def]
+            if down[kind] and self is who:
+                raise JoulesError(f"{kind} (sim): read failed: Unknown Error")
+            return real(self)
+        return read
+
+    for name in ("energy_j", "power_w"):
+        monkeypatch.setattr(type(gone), name, fails("gpu", gone, getattr(type(gone), name)))
+    cpu = sim.cpus[1]
+    monkeypatch.setattr(type(cpu), "package_energy_j", fails("cpu", cpu, type(cpu).package_energy_j))
+    before = Truth(sim)
+    mon.begin_window("w")
+    sim.advance(3.0)
+    down["gpu"] = True
+    sim.set_workload(Constant(1.0))
+    sim.advance(2.0)
+    down["cpu"] = True
+    with pytest.raises(JoulesError, match="read failed"):
+        mon.end_window("w")
+    assert mon.open_windows == ["w"]
+    m = mon.end_window("w", partial=True)
+    truth = Truth(sim).since(before)
+    assert mon.open_windows == []
+    assert m.missing == ("cpu1",) and set(m.cpu) == {0} and set(m.dram) == {0, 1}
+    assert m.gpu[0].source is Source.COUNTER
+    assert_bounded(m.gpu[0], truth["gpu"][0], steady_ceiling(sim.gpus[0]))
+    d = m.gpu[1]
+    assert d.source is Source.SAMPLED
+    assert abs(d.energy_j - truth["gpu"][1]) > 50  # the load rose while it could not be read ...
+    # ... and the bound says so: up to the highest power over the 2 s (and the sampling lag).
+    assert_bounded(d, truth["gpu"][1], 2.2 * gone.power_limit_range_w()[1])
+    assert m.cpu[0].energy_j == pytest.approx(truth["cpu"][0], rel=1e-3)
+    assert m.total_energy_j == pytest.approx(
+        sum(x.energy_j for zone in (m.gpu, m.cpu, m.dram) for x in zone.values()))
+    # The log has the window, the package left out.
+    if suffix == ".jsonl":
+        row = json.loads(log.read_text().splitlines()[-1])
+        assert row["missing"] == ["cpu1"] and set(row["cpu"]) == {"0"}
+        assert Measurement.from_dict(row).missing == ("cpu1",)
+    else:
+        row = list(csv.DictReader(log.open()))[-1]
+        assert row["cpu1_energy_j"] == "" and row["cpu1_source"] == "unread"
+        assert row["gpu1_source"] == "sampled" and float(row["cpu0_energy_j"]) > 0
+    mon.close()
+
+
+def test_a_partial_end_still_fails_on_a_window_that_is_not_open() -> None:
+    sim, mon = setup("A100,nocpu", Constant(0.5))
+    with pytest.raises(WindowError):
+        mon.end_window("nope", partial=True)
+    m, truth = measure_span(sim, mon, "w", 1.0)  # and a plain end is unchanged
+    assert m.missing == () and "missing" not in m.to_dict()
+    mon.close()

@@ -29,7 +29,9 @@ from joules.monitoring.monitor import EnergyMonitor
 def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict[str, object]:
     """The ``--json`` object of ``joules measure``."""
 
-    def zone(values: dict[int, float], measured: bool) -> dict[str, float] | None:
+    def zone(values: dict[int, float], kind: str) -> dict[str, float] | None:
+        """``None`` where no device of the kind is measured (``{}``: all of them left out)."""
+        measured = values or any(x.rstrip("0123456789") == kind for x in m.missing)
         return {str(k): v for k, v in values.items()} if measured else None
 
     return {
@@ -37,14 +39,16 @@ def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict
         "exit_code": exit_code,
         "time_s": m.elapsed_s,
         "gpu_energy_j": {str(k): v for k, v in m.gpu_energy_j.items()},
-        "cpu_energy_j": zone(m.cpu_energy_j, bool(m.cpu)),
-        "dram_energy_j": zone(m.dram_energy_j, bool(m.dram)),
+        "cpu_energy_j": zone(m.cpu_energy_j, "cpu"),
+        "dram_energy_j": zone(m.dram_energy_j, "dram"),
         "total_energy_j": m.total_energy_j,
         "uncertainty_j": m.uncertainty_j,
         "sources": m.sources,
+        "missing": list(m.missing),
     }
 
 
+_LABELS = {"gpu": "GPU", "cpu": "CPU", "dram": "DRAM"}
 _MAX_TITLE = 200  # characters of a command shown above its table
 
 
@@ -63,6 +67,9 @@ def measurement_table(m: Measurement, title: str) -> Table:
             source = d.source.value + (" (corrected)" if d.corrected else "")
             t.add_row(f"{prefix} {k}", f"{d.energy_j:,.2f}", f"{d.uncertainty_j:,.2f}",
                       f"{power:,.1f}", source)
+    for x in m.missing:  # left out of the total
+        kind = x.rstrip("0123456789")
+        t.add_row(f"{_LABELS.get(kind, kind)} {x[len(kind):]}", "—", "—", "—", "not read at the end")
     t.add_section()
     t.add_row("total", f"{m.total_energy_j:,.2f}", f"{m.uncertainty_j:,.2f}",
               f"{m.average_power_w:,.1f}", f"time {m.elapsed_s:,.3f} s")
@@ -194,9 +201,11 @@ _END_TRIES = 3
 
 
 def end_measurement(monitor: EnergyMonitor, name: str, when: str) -> Measurement | None:
-    """End the window ``name``; ``None``, with a warning saying ``when``, if every try failed.
+    """End the window ``name``; ``None``, with a warning saying ``when``, if it cannot be.
 
-    A device read that fails is tried again (a window whose end failed stays open).
+    A device read that fails is tried again (a window whose end failed stays open). After
+    the last try the devices that can be read are measured without the others
+    (``end_window(partial=True)``), with a warning naming what was left out.
     """
     for attempt in range(_END_TRIES):
         try:
@@ -205,9 +214,16 @@ def end_measurement(monitor: EnergyMonitor, name: str, when: str) -> Measurement
             error = e
             if attempt + 1 < _END_TRIES:
                 time.sleep(0.02 * (attempt + 1))
-    print(f"joules: warning: the devices could not be read {when} ({error}): nothing was measured",
-          file=sys.stderr)
-    return None
+    try:
+        m = monitor.end_window(name, partial=True)
+    except JoulesError as e:
+        print(f"joules: warning: the devices could not be read {when} ({e}): nothing was measured",
+              file=sys.stderr)
+        return None
+    left_out = f"; left out of the totals: {', '.join(m.missing)}" if m.missing else ""
+    print(f"joules: warning: a device could not be read {when} ({error}){left_out}; a GPU whose "
+          "energy counter failed is measured from its power samples", file=sys.stderr)
+    return m
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)

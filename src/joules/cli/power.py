@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
                 **{f"gpu{k}": v for k, v in m.gpu_energy_j.items()},
                 **{f"cpu{k}": v for k, v in m.cpu_energy_j.items()},
                 **{f"dram{k}": v for k, v in m.dram_energy_j.items()},
-            }, "total_energy_j": m.total_energy_j}))
+            }, "total_energy_j": m.total_energy_j, "missing": list(m.missing)}))
         else:
             try:
                 console.print(measurement_table(m, "energy"))

@@ -167,7 +167,17 @@ def combine(
         cpu=_merge(groups, "cpu", "cpu", dedup_without_id=True),
         dram=_merge(groups, "dram", "dram", dedup_without_id=True),
         host=",".join(hosts),
+        missing=_missing(items, several_hosts=len(hosts) > 1),
     )
+
+
+def _missing(items: Sequence[Measurement], several_hosts: bool) -> tuple[str, ...]:
+    """The devices the ranks could not read, each once (host-qualified across hosts)."""
+    out: dict[str, None] = {}
+    for m in items:
+        for x in m.missing:
+            out[f"{m.host}/{x}" if several_hosts and "/" not in x else x] = None
+    return tuple(out)
 
 
 def per_host(measurements: Sequence[Measurement], name: str | None = None) -> dict[str, Measurement]:

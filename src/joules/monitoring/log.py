@@ -122,6 +122,9 @@ class WindowLog:
             for k, d in zones.items():
                 row[f"{prefix}{k}_energy_j"] = d.energy_j
                 row[f"{prefix}{k}_source"] = d.source.value + ("+corrected" if d.corrected else "")
+        for x in m.missing:  # a device that could not be read at the window's end
+            row[f"{x}_energy_j"] = ""
+            row[f"{x}_source"] = "unread"
         return row
 
     def write(self, m: Measurement) -> None:

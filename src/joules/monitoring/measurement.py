@@ -97,6 +97,11 @@ class Measurement:
         cpu: Per-CPU-package energy, keyed by package index (empty when not measured).
         dram: Per-package DRAM energy, keyed by package index (empty when not measured).
         host: Host name, used when combining measurements across processes.
+        missing: Devices that could not be read at the window's end, left out of every
+            total (``gpu1``, ``cpu0``, ``dram0``; ``<host>/gpu1`` in a measurement combined
+            from several hosts). Only :meth:`EnergyMonitor.end_window
+            <joules.monitoring.monitor.EnergyMonitor.end_window>` with ``partial=True`` leaves
+            devices out; otherwise this is empty.
 
     """
 
@@ -107,6 +112,7 @@ class Measurement:
     cpu: dict[int, DeviceEnergy] = field(default_factory=dict)
     dram: dict[int, DeviceEnergy] = field(default_factory=dict)
     host: str = ""
+    missing: tuple[str, ...] = ()
 
     @property
     def gpu_energy_j(self) -> dict[int, float]:
@@ -170,6 +176,7 @@ class Measurement:
             "dram": {str(k): v.to_dict() for k, v in self.dram.items()},
             "total_energy_j": self.total_energy_j,
             "uncertainty_j": self.uncertainty_j,
+            **({"missing": list(self.missing)} if self.missing else {}),
         }
 
     @classmethod
@@ -188,4 +195,5 @@ class Measurement:
             cpu=zones("cpu"),
             dram=zones("dram"),
             host=str(d.get("host", "")),
+            missing=tuple(str(x) for x in d.get("missing") or ()),  # type: ignore[attr-defined]
         )

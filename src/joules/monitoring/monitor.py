@@ -17,7 +17,13 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 from joules.devices.base import CPU, GPU, DeviceSet, renew_locks_after_fork
 from joules.devices.discovery import discover
-from joules.errors import DeviceNotFoundError, DevicePermissionError, NothingMeasuredWarning, WindowError
+from joules.errors import (
+    DeviceNotFoundError,
+    DevicePermissionError,
+    JoulesError,
+    NothingMeasuredWarning,
+    WindowError,
+)
 from joules.monitoring.log import WindowLog
 from joules.monitoring.measurement import DeviceEnergy, Measurement, Source
 from joules.monitoring.sampler import CounterTracker, PowerSampler
@@ -46,6 +52,7 @@ class _GPUEdge:
     integral: float = math.nan  # sampler's running integral of sampled power at the edge, J
     half: float = math.nan  # half width of ``tick``'s estimate
     power: float = math.nan  # the power reading extrapolated from ``tick``, W
+    unread: bool = False  # a lenient end edge whose counter read failed: measured from samples
 
 
 @dataclass(slots=True)
@@ -53,8 +60,8 @@ class _Edge:
     name: str
     t: float
     gpu: list[_GPUEdge]
-    cpu: list[float]
-    dram: list[float | None]
+    cpu: list[float | None]  # None: unread (a lenient end edge)
+    dram: list[float | None]  # None: no DRAM zone, or unread (a lenient end edge)
 
 
 class WindowHandle:
@@ -109,6 +116,18 @@ def _after_fork_in_child(monitor: EnergyMonitor) -> None:
     """A forked child's copy of a monitor: a free lock, and a sampler to start at the next edge."""
     monitor._lock = threading.Lock()
     monitor._forked = True
+
+
+def _read(fn: Callable[[], float]) -> float:
+    return fn()
+
+
+def _read_leniently(fn: Callable[[], float]) -> float | None:
+    """``fn()``, or ``None`` where the read fails."""
+    try:
+        return fn()
+    except JoulesError:
+        return None
 
 
 def _power_ceiling_w(gpu: GPU) -> float | None:
@@ -321,7 +340,12 @@ class EnergyMonitor:
         self.reads["counter_extrapolated"] += 1
         return snap[2], snap[3], snap[4]
 
-    def _edge(self, name: str) -> _Edge:
+    def _edge(self, name: str, lenient: bool = False) -> _Edge:
+        """Read every device at one moment.
+
+        ``lenient`` (an end edge of :meth:`end_window` with ``partial=True``): a device whose
+        read fails is marked unread instead of failing the edge.
+        """
         if self._forked:
             self._forked = False
             if not self._closed:
@@ -339,8 +363,14 @@ class EnergyMonitor:
                 if t - last_t > 2 * sampler.interval_s + (gpu.power_update_period_s() or 0.0):
                     # The sampler's readings stopped (they fail, or its thread cannot run): a
                     # read here says which, rather than extrapolate an old reading unbounded.
+                    # (Leniently, a failing read is let be: the span of failed reads widens
+                    # the window's bound, _missed_bound.)
                     self.reads["power"] += 1
-                    gpu.power_w()
+                    try:
+                        gpu.power_w()
+                    except JoulesError:
+                        if not lenient:
+                            raise
                 # ``counter``/``tick`` keep the integral and time of the latest sample, so the
                 # edge can be revised once the next sample is known (_revised_begin).
                 gpu_edges.append(_GPUEdge(energy + last_p * (t - last_t), 0.0, count, t, energy, last_t))
@@ -351,7 +381,16 @@ class EnergyMonitor:
                 known = self._extrapolate(k, tracker, t)
             if known is None:
                 self.reads["counter"] += 1
-                c = gpu.energy_j()
+                try:
+                    c = gpu.energy_j()
+                except JoulesError:
+                    if not lenient:
+                        raise
+                    # The window's energy will come from the sampler's power readings.
+                    integral = sampler.integral_now(gpu.index, t)
+                    gpu_edges.append(_GPUEdge(math.nan, math.nan, sampler.sample_count(gpu.index), t,
+                                              resets=tracker.resets, integral=integral, unread=True))
+                    continue
                 t_before, t = t, now()
                 # A stale read (the sampler read a newer value meanwhile) gets the newer value.
                 c, tick, half_width = tracker.observe(t, c, t_before)
@@ -376,8 +415,9 @@ class EnergyMonitor:
                 half_width, power,
             ))
         t = now()
-        cpu = [c.package_energy_j() for c in self.cpus]
-        dram = [c.dram_energy_j() if d else None for c, d in zip(self.cpus, self._dram, strict=True)]
+        read = _read_leniently if lenient else _read
+        cpu = [read(c.package_energy_j) for c in self.cpus]
+        dram = [read(c.dram_energy_j) if d else None for c, d in zip(self.cpus, self._dram, strict=True)]
         return _Edge(name, t, gpu_edges, cpu, dram)
 
     # -- windows ----------------------------------------------------------------------------
@@ -389,13 +429,23 @@ class EnergyMonitor:
         """
         self._begin(name, name)
 
-    def end_window(self, name: str) -> Measurement:
+    def end_window(self, name: str, *, partial: bool = False) -> Measurement:
         """Close window ``name`` and return its measurement.
+
+        Args:
+            name: The window.
+            partial: Where a device cannot be read at the end, measure the others rather than
+                fail: a GPU whose energy counter cannot be read is measured from the
+                sampler's power readings (source ``sampled``; spans of failed readings widen
+                its bound); a device that cannot be measured at all is left out of the
+                totals and named in :attr:`Measurement.missing`. By default such a read
+                raises, and the window stays open to be ended again.
 
         Raises:
             WindowError: No window of that name is open.
+            JoulesError: A device could not be read (the window stays open), unless ``partial``.
         """
-        return self._end(name)
+        return self._end(name, partial)
 
     def _begin(self, key: str, name: str) -> None:
         with self._lock:
@@ -420,7 +470,7 @@ class EnergyMonitor:
             elif self._closed and key in self._discarded:
                 raise WindowError(f"window {name!r}: the monitor was closed while it was beginning")
 
-    def _end(self, key: str) -> Measurement:
+    def _end(self, key: str, partial: bool = False) -> Measurement:
         with self._lock:
             begin = self._windows.get(key)
             if begin is None:
@@ -430,8 +480,8 @@ class EnergyMonitor:
                                   f"being taken in another thread); end it once begin_window returns")
             del self._windows[key]
         try:
-            end = self._edge(begin.name)
-            m = self._measure(begin, end)  # (a short window reads the power here)
+            end = self._edge(begin.name, lenient=partial)
+            m = self._measure(begin, end, partial)  # (a short window reads the power here)
         except BaseException:
             # A failed read (or sync) at the end edge leaves a named window open: it can be
             # ended again, or cancelled. A block's window is over with its block.
@@ -663,69 +713,89 @@ class EnergyMonitor:
         power = max(self._cpu_max[k][zone] or self._cpu_rate[k][zone] or 0.0, rate)
         return _RAPL_EDGE_S * power
 
-    def _measure(self, begin: _Edge, end: _Edge) -> Measurement:
+    def _measure(self, begin: _Edge, end: _Edge, partial: bool = False) -> Measurement:
         elapsed = max(0.0, end.t - begin.t)
         gpu: dict[int, DeviceEnergy] = {}
+        missing: list[str] = []
         for k, g in enumerate(self.gpus):
-            b, e = begin.gpu[k], end.gpu[k]
-            if self._counter[k] and e.resets != b.resets:
-                # The counter was reset inside the window (driver reload, GPU reset): its
-                # readings no longer compare. The sampler's power readings over the window.
-                energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
-                source, corrected = Source.SAMPLED, False
-            elif self._counter[k] and e.counter == b.counter:
-                # The counter did not move: the window fell between two of its updates. The
-                # power reading now (the latest sensor period) times the elapsed time.
-                energy = self._power_now(g, end.t) * elapsed
-                source, corrected = Source.ESTIMATE, True
-                uncertainty = self._window_bound(k, energy, elapsed)
-            elif self._counter[k]:
-                tracker = self._trackers[k]
-                assert tracker is not None
-                b = self._reanchored(tracker, b)
-                begin_energy, disagreement = self._interpolated_begin(tracker, b, e)
-                energy = max(0.0, e.energy - begin_energy)
-                source = Source.COUNTER
-                # (a counter of unknown period: the tracker's bound on it)
-                corrected = elapsed < (self._periods[k] or tracker.period)
-                uncertainty = b.uncertainty + e.uncertainty + disagreement
-                if corrected:  # no counter update brackets the window: worst case, as estimates
-                    uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
-            else:
-                n = e.samples - b.samples
-                if n >= 2:
-                    energy = max(0.0, e.energy - self._revised_begin(g, b))
-                    source, corrected = Source.SAMPLED, False
-                else:
-                    # Too short for the samples to resolve: the power reading now (the sensor
-                    # period closest to the window) times the elapsed time.
-                    energy = self._power_now(g, end.t) * elapsed
-                    source, corrected = Source.ESTIMATE, True
-                interval = self.sampler.interval_s
-                spread = self.sampler.power_spread(g.index)
-                # Edges fall up to one interval from a sample: power may differ by the spread
-                # there, however short the window (a sample taken inside a short window
-                # revises the power assumed at its begin edge). The end edge's latest reading
-                # may also be one sensor period old: the power since is extrapolated.
-                lag = 2 * interval + (g.power_update_period_s() or 0.0)
-                uncertainty = spread * lag + _GPU_POWER_RESOLUTION_W * elapsed
-                uncertainty += self._missed_bound(k, g, begin.t, end.t, energy, elapsed)
-                if source is Source.ESTIMATE:
-                    uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
-            gpu[g.index] = DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
+            try:
+                gpu[g.index] = self._gpu_energy(k, g, begin, end, elapsed)
+            except JoulesError:
+                if not partial:
+                    raise
+                missing.append(f"gpu{g.index}")
         cpu: dict[int, DeviceEnergy] = {}
         dram: dict[int, DeviceEnergy] = {}
         for k, c in enumerate(self.cpus):
-            pkg = end.cpu[k] - begin.cpu[k]
-            cpu[c.index] = DeviceEnergy(pkg, Source.COUNTER, self._rapl_bound(k, 0, pkg, elapsed), False,
-                                        f"{self._host}/cpu{c.index}")
+            p0, p1 = begin.cpu[k], end.cpu[k]
+            if p0 is None or p1 is None:
+                missing.append(f"cpu{c.index}")
+            else:
+                pkg = p1 - p0
+                cpu[c.index] = DeviceEnergy(pkg, Source.COUNTER, self._rapl_bound(k, 0, pkg, elapsed), False,
+                                            f"{self._host}/cpu{c.index}")
             d0, d1 = begin.dram[k], end.dram[k]
             if d0 is not None and d1 is not None:
                 bound = self._rapl_bound(k, 1, d1 - d0, elapsed)
                 dram[c.index] = DeviceEnergy(
                     d1 - d0, Source.COUNTER, bound, False, f"{self._host}/dram{c.index}"
                 )
-        return Measurement(begin.name, begin.t, elapsed, gpu, cpu, dram, self._host)
+            elif self._dram[k]:
+                missing.append(f"dram{c.index}")
+        return Measurement(begin.name, begin.t, elapsed, gpu, cpu, dram, self._host, tuple(missing))
+
+    def _gpu_energy(self, k: int, g: GPU, begin: _Edge, end: _Edge, elapsed: float) -> DeviceEnergy:
+        """GPU ``k``'s energy over a window (raises where a read it needs fails)."""
+        b, e = begin.gpu[k], end.gpu[k]
+        if e.unread:
+            # A lenient end edge could not read the counter: the sampler's power readings.
+            energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
+            source, corrected = Source.SAMPLED, False
+        elif self._counter[k] and e.resets != b.resets:
+            # The counter was reset inside the window (driver reload, GPU reset): its
+            # readings no longer compare. The sampler's power readings over the window.
+            energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
+            source, corrected = Source.SAMPLED, False
+        elif self._counter[k] and e.counter == b.counter:
+            # The counter did not move: the window fell between two of its updates. The
+            # power reading now (the latest sensor period) times the elapsed time.
+            energy = self._power_now(g, end.t) * elapsed
+            source, corrected = Source.ESTIMATE, True
+            uncertainty = self._window_bound(k, energy, elapsed)
+        elif self._counter[k]:
+            tracker = self._trackers[k]
+            assert tracker is not None
+            b = self._reanchored(tracker, b)
+            begin_energy, disagreement = self._interpolated_begin(tracker, b, e)
+            energy = max(0.0, e.energy - begin_energy)
+            source = Source.COUNTER
+            # (a counter of unknown period: the tracker's bound on it)
+            corrected = elapsed < (self._periods[k] or tracker.period)
+            uncertainty = b.uncertainty + e.uncertainty + disagreement
+            if corrected:  # no counter update brackets the window: worst case, as estimates
+                uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
+        else:
+            n = e.samples - b.samples
+            if n >= 2:
+                energy = max(0.0, e.energy - self._revised_begin(g, b))
+                source, corrected = Source.SAMPLED, False
+            else:
+                # Too short for the samples to resolve: the power reading now (the sensor
+                # period closest to the window) times the elapsed time.
+                energy = self._power_now(g, end.t) * elapsed
+                source, corrected = Source.ESTIMATE, True
+            interval = self.sampler.interval_s
+            spread = self.sampler.power_spread(g.index)
+            # Edges fall up to one interval from a sample: power may differ by the spread
+            # there, however short the window (a sample taken inside a short window
+            # revises the power assumed at its begin edge). The end edge's latest reading
+            # may also be one sensor period old: the power since is extrapolated.
+            lag = 2 * interval + (g.power_update_period_s() or 0.0)
+            uncertainty = spread * lag + _GPU_POWER_RESOLUTION_W * elapsed
+            uncertainty += self._missed_bound(k, g, begin.t, end.t, energy, elapsed)
+            if source is Source.ESTIMATE:
+                uncertainty = max(uncertainty, self._window_bound(k, energy, elapsed))
+        return DeviceEnergy(energy, source, uncertainty, corrected, g.measured_uuid)
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
