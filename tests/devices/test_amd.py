@@ -120,6 +120,39 @@ def test_a_32_bit_counter_is_extended_across_its_wraps() -> None:
             monitor.close()
 
 
+@pytest.mark.parametrize(("bits", "offset_j"), [(32, 20_000.0), (64, 20_000.0), (32, 5e6)])
+def test_a_counter_reset_is_not_taken_for_a_32_bit_wrap(bits: int, offset_j: float) -> None:
+    """A GPU reset restarts the counter near 0: a 32-bit counter (or a 64-bit one not yet past
+    32 bits) that went back was taken to have wrapped, 43.6 kJ of a 2.2 kJ window, as "counter"
+    with a 22 J bound. A drop the GPU could not have drawn since the previous read is a reset."""
+    from joules.devices.base import DeviceSet
+    from joules.monitoring import EnergyMonitor
+
+    clock = VirtualClock()
+    (sim,) = sims(clock, 1, workload=Constant(0.5), counter_offset_j=offset_j)
+    with installed([sim], counter_bits=bits):
+        (gpu,), _ = discover_amd({}, clock=clock)
+        monitor = EnergyMonitor(devices=DeviceSet(gpus=[gpu], cpus=[], clock=clock))
+        try:
+            clock.advance(2.0)
+            t0 = sim.true_energy_j()
+            monitor.begin_window("w")
+            clock.advance(2.0)
+            sim._offset_j -= sim.energy_j()  # the firmware's counter restarts near 0
+            clock.advance(3.0)
+            d = monitor.end_window("w").gpu[0]
+            true = sim.true_energy_j() - t0
+            assert d.source == "sampled"  # across the reset: from the power samples
+            assert abs(d.energy_j - true) <= d.uncertainty_j < 0.1 * true
+            monitor.begin_window("after")  # and from the counter again after it
+            t0 = sim.true_energy_j()
+            clock.advance(2.0)
+            d = monitor.end_window("after").gpu[0]
+            assert d.source == "counter" and d.energy_j == pytest.approx(sim.true_energy_j() - t0, abs=1.0)
+        finally:
+            monitor.close()
+
+
 def test_power_fields_by_generation() -> None:
     clock = VirtualClock()
     mi300 = SimGPU(MI300X, clock, index=0, workload=Constant(1.0))

@@ -52,6 +52,10 @@ _INVALID_UINTS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}
 _ROCM_RESOLUTION_UJ = 15.3
 _TICK_UJ = 1e6 / 65536
 _WRAP_32 = 1 << 32
+#: The most power a wrap of a 32-bit energy counter is taken to have come from, W (twice the
+#: highest power cap of any AMD GPU so far): a counter that went back by more than this could
+#: have drawn since the previous reading was reset, not wrapped.
+_WRAP_POWER_W = 3000.0
 _HEX = re.compile(r"^[0-9a-f]+$")
 
 
@@ -133,6 +137,7 @@ class AMDGPU(GPU):
         self._control_uuid = self.uuid
         self._energy_lock = fork_safe_lock(self, "_energy_lock")
         self._ticks_32 = WrappingCounter(_WRAP_32)
+        self._ticks_32_t: float | None = None  # when it was read last
         self._ticks_64bit = False
         self.secondary_die = self._is_secondary_die()
         if self.secondary_die:
@@ -242,20 +247,28 @@ class AMDGPU(GPU):
                 raise NotSupportedError(f"GPU {self.index} ({self.name}): energy counter reads {info!r}")
             if abs(resolution - _ROCM_RESOLUTION_UJ) < 1e-3:
                 resolution = _TICK_UJ
-            return self._extend(int(ticks)) * resolution * 1e-6
+            return self._extend(int(ticks), resolution * 1e-6) * resolution * 1e-6
 
-    def _extend(self, ticks: int) -> int:
+    def _extend(self, ticks: int, tick_j: float) -> int:
         """The tick count, with the wraps of a 32-bit counter added.
 
         RDNA GPUs' firmware accumulates energy in 32 bits, which the driver passes on as is:
         it wraps every 2**32 ticks (65.5 kJ, minutes at full power). A counter that was
-        never seen past 32 bits and goes back is taken to have wrapped; one seen past them
-        is 64-bit, and never wraps in practice. Read at least once per wrap period (the
-        sampler reads counters far more often) for no wrap to be missed.
+        never seen past 32 bits and goes back is taken to have wrapped, if the GPU could
+        have drawn the energy of that wrap since the previous reading (at twice its highest
+        power cap); else the counter was reset (a GPU reset, a driver reload; also a 64-bit
+        counter not yet past 32 bits), and the value goes back, as resets do. One seen past
+        32 bits is 64-bit, and never wraps in practice. Read at least once per wrap period
+        (the sampler reads counters far more often) for no wrap to be missed.
         """
         if ticks >= _WRAP_32:
             self._ticks_64bit = True
-        return ticks if self._ticks_64bit else self._ticks_32.update(ticks)
+        if self._ticks_64bit:
+            return ticks
+        now = self.clock.now()
+        last, self._ticks_32_t = self._ticks_32_t, now
+        max_gain = None if last is None else (_WRAP_POWER_W * max(0.0, now - last) + 1.0) / tick_j
+        return self._ticks_32.update(ticks, max_gain)
 
     def has_energy_counter(self) -> bool:
         return self._counter_ok

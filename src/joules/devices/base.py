@@ -243,11 +243,23 @@ class WrappingCounter:
         self._base = 0
         self._lock = fork_safe_lock(self)
 
-    def update(self, raw: int) -> int:
-        """Feed a raw reading; return the extended (monotonic) value."""
+    def update(self, raw: int, max_gain: float | None = None) -> int:
+        """Feed a raw reading; return the extended value (monotonic but for resets).
+
+        Args:
+            raw: The reading.
+            max_gain: The most the counter can have gained since the previous reading (its
+                highest rate times the time since), if known. A reading that went back by
+                more than a wrap could explain is a reset of the counter (a GPU reset, a
+                driver reload), not a wrap: the extended value restarts from it, so it goes
+                back too and its reader sees the reset.
+        """
         with self._lock:
             if self._last is not None and raw < self._last:
-                self._base += self.wrap
+                if max_gain is not None and self.wrap - self._last + raw > max_gain:
+                    self._base = 0
+                else:
+                    self._base += self.wrap
             self._last = raw
             return self._base + raw
 
