@@ -354,7 +354,7 @@ def test_cpu_counters_are_polled_often_enough_to_catch_every_wrap() -> None:
     cpu = SimCPU(model, clock, workload=Constant(1.0))
     gpu = SimGPU(A100, clock, workload=Constant(0.5))
     sampler = PowerSampler([gpu], [cpu], clock=clock).start()
-    assert sampler._cpu_every * sampler.interval_s <= cpu.max_read_interval_s() / 4 + 1e-12
+    assert sampler._cpu_period_s <= cpu.max_read_interval_s() / 4 + 1e-12
     p0, d0 = cpu.package_energy_j(), cpu.dram_energy_j()
     t0p, t0d = cpu.true_package_energy_j(), cpu.true_dram_energy_j()
     clock.advance(60.0)  # ~210 package wraps, nobody but the sampler reads the counters
@@ -363,6 +363,29 @@ def test_cpu_counters_are_polled_often_enough_to_catch_every_wrap() -> None:
     assert pkg == pytest.approx(cpu.true_package_energy_j() - t0p, abs=2 * 0.35)
     assert pkg == pytest.approx(350.0 * 60.0, abs=2 * 0.35)
     assert dram == pytest.approx(cpu.true_dram_energy_j() - t0d, abs=2 * 0.045)
+
+
+def test_cpu_counters_are_read_by_the_clock_while_ticks_are_held_up() -> None:
+    """A GPU read that blocks 0.6 s held every tick up: CPU zones read every 17 ticks went
+    10 s unread, past their 2 s wrap time, and 12 kJ of wraps vanished in a minute."""
+    clock = VirtualClock()
+    cpu = SimCPU(XEON.with_overrides(wrap_j=2000.0), clock, workload=Constant(1.0))
+    gpu = SimGPU(A100, clock, workload=Constant(0.5))
+    real = gpu.power_w
+
+    def blocking_power_w() -> float:
+        clock.sleep(0.6)
+        return real()
+
+    sampler = PowerSampler([gpu], [cpu], clock=clock).start()
+    clock.advance(1.0)
+    p0, t0 = cpu.package_energy_j(), cpu.true_package_energy_j()
+    gpu.power_w = blocking_power_w  # type: ignore[method-assign]
+    clock.advance(60.0)
+    gpu.power_w = real  # type: ignore[method-assign]
+    clock.advance(1.0)
+    assert cpu.package_energy_j() - p0 == pytest.approx(cpu.true_package_energy_j() - t0, abs=1.0)
+    sampler.stop()
 
 
 def test_cpu_only_sampler_polls_counters() -> None:

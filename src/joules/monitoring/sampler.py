@@ -372,8 +372,10 @@ class PowerSampler:
                 powers=np.zeros(capacity),
                 sensor=CounterTracker(power_period, monotonic=False) if power_period else None,
             )
-        self._cpu_every = max(1, int(min((c.max_read_interval_s() for c in self.cpus), default=60.0)
-                                     / 4.0 / interval_s))
+        # CPU zones are read four times per shortest wrap time, by the clock: ticks held up
+        # (a GPU read that blocks) must not space the reads out past a wrap.
+        self._cpu_period_s = min((c.max_read_interval_s() for c in self.cpus), default=60.0) / 4.0
+        self._cpu_next = -math.inf
         self._ticks = 0
         self._lock = fork_safe_lock(self)  # a forked child gets a free one
         self._life_lock = fork_safe_lock(self, "_life_lock")
@@ -427,14 +429,16 @@ class PowerSampler:
             # Energy comes from the counter where there is one: keep the plain integral there.
             self._add(track, t, p, update if track.tracker is None else None)
         self._ticks += 1
-        if self.cpus and self._ticks % self._cpu_every == 0:
+        if self.cpus and self.clock.now() >= self._cpu_next:
+            self._cpu_next = self.clock.now() + self._cpu_period_s
             for cpu in self.cpus:
-                try:
-                    cpu.package_energy_j()
-                    if cpu.has_dram():
-                        cpu.dram_energy_j()
-                except Exception:  # noqa: BLE001
-                    self.errors += 1
+                for read in (cpu.package_energy_j, cpu.dram_energy_j if cpu.has_dram() else None):
+                    if read is None:
+                        continue
+                    try:  # (each zone on its own: a failing package read does not stop DRAM's)
+                        read()
+                    except Exception:  # noqa: BLE001
+                        self.errors += 1
 
     def counter_read_cost_s(self, index: int) -> float | None:
         """Median wall-clock time of the sampler's latest reads of GPU ``index``'s energy counter.
