@@ -16,13 +16,17 @@ AVAILABLE = fcntl is not None
 
 
 @contextlib.contextmanager
-def exclusive(f: IO[Any]) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on the open file ``f`` across the block (other holders wait)."""
+def exclusive(f: IO[Any] | int) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the open file ``f`` (or descriptor) across the block.
+
+    Other holders wait.
+    """
     if fcntl is None:
         yield
         return
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    fd = f if isinstance(f, int) else f.fileno()
+    fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         yield
     finally:
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_UN)

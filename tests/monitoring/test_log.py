@@ -168,3 +168,61 @@ def test_a_forked_child_writes_while_a_parent_thread_held_the_lock(tmp_path: Pat
     assert os.waitstatus_to_exitcode(status) == 0  # not killed by the alarm: it did not hang
     names = [json.loads(line)["name"] for line in path.read_text().splitlines()]
     assert names == ["parent", "child"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_a_record_cut_short_by_a_full_disk_leaves_no_trace(tmp_path: Path, suffix: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk mid-record left the record's rest in a buffer, written at the writer's next
+    write after other ranks' records: a CSV row without its total and a stray row, or two
+    broken JSONL lines."""
+    import errno
+
+    path = tmp_path / f"windows.{suffix}"
+    rank0, rank1 = WindowLog(path), WindowLog(path)
+    rank0.write(window("w1", 100.0, 10.0))
+    real_write = os.write
+    full = [True]
+
+    def write(fd: int, data: bytes) -> int:  # the disk fills after 20 bytes of rank 0's record
+        if fd == rank0._fd and full[0]:
+            full[0] = False
+            real_write(fd, bytes(data[:20]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(OSError, match="No space"):
+        rank0.write(window("w2", 100.0, 11.0))
+    rank1.write(window("r1", 100.0, 12.0))  # space freed; another rank writes, then rank 0 again
+    rank0.write(window("w3", 100.0, 13.0))
+    rank0.close()
+    rank1.close()
+    if suffix == "jsonl":
+        names = [json.loads(line)["name"] for line in path.read_text().splitlines()]
+    else:
+        rows = list(csv.reader(path.open(newline="")))
+        assert {len(r) for r in rows} == {len(rows[0])}  # every row whole
+        names = [r[0] for r in rows[1:]]
+    assert names == ["w1", "r1", "w3"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_a_log_moved_away_or_deleted_is_made_again(tmp_path: Path, suffix: str) -> None:
+    """A log rotated (moved) or deleted while the job ran lost every later window, behind one
+    warning: it is made again at its path (a CSV file with its header)."""
+    import shutil
+
+    path = tmp_path / "logs" / f"windows.{suffix}"
+    log = WindowLog(path, columns=WindowLog.csv_columns([0], [0], []))
+    log.write(window("w1", 100.0, 10.0))
+    path.rename(tmp_path / f"rotated.{suffix}")
+    log.write(window("w2", 100.0, 11.0))
+    shutil.rmtree(tmp_path / "logs")  # the folder too
+    log.write(window("w3", 100.0, 12.0))
+    log.close()
+    for p, names in ((tmp_path / f"rotated.{suffix}", ["w1"]), (path, ["w3"])):
+        if suffix == "jsonl":
+            assert [json.loads(line)["name"] for line in p.read_text().splitlines()] == names
+        else:
+            assert [r["name"] for r in csv.DictReader(p.open(newline=""))] == names

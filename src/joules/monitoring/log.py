@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from joules.devices.base import renew_locks_after_fork
 from joules.filelock import exclusive
@@ -18,11 +18,13 @@ from joules.monitoring.measurement import Measurement
 class WindowLog:
     """Appends measurements to ``path``; the format follows the suffix (``.jsonl`` or ``.csv``).
 
-    Each line is flushed as it is written, so a killed job loses nothing already measured.
-    A measurement written after :meth:`close` is appended too (the file is opened for it and
-    closed again). Thread-safe. A file that ends in a cut-off line (a job killed while writing
-    it) gets a newline before the first record, so that the broken line does not take that
-    record with it.
+    Each record is written to the file at once (no buffer), so a killed job loses nothing
+    already measured, and whole: one that cannot be written to the end (a full disk) is taken
+    out again, and the write raises. A measurement written after :meth:`close` is appended too
+    (the file is opened for it and closed again). Thread-safe. A file that ends in a cut-off
+    line (a job killed while writing it) gets a newline before the next record, so that the
+    broken line does not take that record with it. A file moved away (rotated) or deleted
+    meanwhile is made again at ``path``.
 
     Several monitors, in one process or several (one per rank), may append to one file: a CSV
     file's header is written once, by whichever writes first (under an exclusive lock on the
@@ -44,7 +46,7 @@ class WindowLog:
             raise ValueError(f"window log needs a .jsonl or .csv file name, got {self.path}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
         renew_locks_after_fork(self, WindowLog._after_fork_in_child)
         self._closed = False
         self._csv_columns: list[str] | None = None
@@ -56,7 +58,7 @@ class WindowLog:
     def _after_fork_in_child(self) -> None:
         """A forked child: a free lock (the parent's may have been held), and a file of its own."""
         self._lock = threading.Lock()
-        self._file = None  # reopened on the next write; the parent's buffer stays the parent's
+        self._fd = None  # reopened on the next write (the inherited descriptor is left as it is)
 
     @staticmethod
     def csv_columns(gpus: Sequence[int], cpus: Sequence[int], drams: Sequence[int]) -> list[str]:
@@ -83,30 +85,64 @@ class WindowLog:
         return (f"window log {self.path} was written for other devices ({what}): use another "
                 f"file, or a .jsonl log, which takes any devices")
 
-    def _open(self) -> IO[str]:
-        if self._file is None:
+    def _open(self) -> int:
+        """The file's descriptor, opened again where the path no longer names the open file.
+
+        A log moved away (rotated) or deleted while the job runs is made again at its path,
+        as a new file (a CSV file gets its header again), rather than losing every window.
+        """
+        if self._fd is not None:
+            try:
+                st, ours = os.stat(self.path), os.fstat(self._fd)
+                same = (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
+            except FileNotFoundError:
+                same = False
+            if not same:
+                self._close_fd()
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(self.path, flags, 0o666)
             if self.path.suffix == ".csv":
                 self._csv_columns = self._existing_header()
-            self._file = self.path.open("a", newline="")
-        return self._file
+        return self._fd
 
-    def _ends_mid_line(self) -> bool:
-        """Whether the file is not empty and its last byte is not a newline."""
-        with self.path.open("rb") as f:
-            if f.seek(0, os.SEEK_END) == 0:
-                return False
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) != b"\n"
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+            self._csv_columns = None
 
-    def _end_cut_line(self, f: IO[str]) -> None:
-        """End a cut-off last line, so that the next record starts on a line of its own.
+    @staticmethod
+    def _ends_mid_line(fd: int, size: int) -> bool:
+        """Whether a file of ``size`` bytes is not empty and its last byte is not a newline.
 
         Looked at just before each record, under the file lock: another writer may have ended
         it (or cut one off) since this one opened the file.
         """
-        f.flush()
-        if self._ends_mid_line():
-            f.write("\n")
+        return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+    @staticmethod
+    def _append(fd: int, size: int, data: bytes) -> None:
+        """Append ``data`` whole, or nothing: a write that fails part-way (a full disk) is undone.
+
+        Written straight to the file (no buffer that would hold a record's unwritten rest and
+        write it later, after other writers' records).
+        """
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError:
+            try:
+                os.ftruncate(fd, size)  # (under the file lock: nobody else wrote meanwhile)
+            except OSError:
+                pass
+            raise
 
     @staticmethod
     def _row(m: Measurement) -> dict[str, object]:
@@ -128,42 +164,44 @@ class WindowLog:
         return row
 
     def write(self, m: Measurement) -> None:
-        """Append one measurement.
+        """Append one measurement (a record is written whole or not at all).
 
         Raises:
             ValueError: A CSV file's header does not have this measurement's devices (nothing
                 is written).
+            OSError: The file cannot be written (nothing is written).
         """
         with self._lock:
-            f = self._open()
             try:
-                if self.path.suffix == ".jsonl":
-                    with exclusive(f):
-                        self._end_cut_line(f)
-                        f.write(json.dumps(m.to_dict()) + "\n")
-                        f.flush()
-                else:
-                    row = self._row(m)
-                    with exclusive(f):  # other processes' writers wait
-                        if self._csv_columns is None and os.fstat(f.fileno()).st_size > 0:
+                fd = self._open()
+                with exclusive(fd):  # other processes' writers wait
+                    size = os.fstat(fd).st_size
+                    out = io.StringIO()
+                    header = False
+                    if self._ends_mid_line(fd, size):  # a cut-off line: ended first
+                        out.write("\n")
+                    if self.path.suffix == ".jsonl":
+                        out.write(json.dumps(m.to_dict()) + "\n")
+                    else:
+                        row = self._row(m)
+                        if self._csv_columns is None and size > 0:
                             self._csv_columns = self._existing_header()  # another writer's header
                         if self._csv_columns is not None and set(row) != set(self._csv_columns):
                             raise ValueError(self._mismatch(self._csv_columns, list(row)))
-                        self._end_cut_line(f)
-                        if self._csv_columns is None:
-                            self._csv_columns = list(row)
-                            csv.writer(f).writerow(self._csv_columns)
-                        csv.DictWriter(f, self._csv_columns).writerow(row)
-                        f.flush()  # before the file lock is let go
+                        header = self._csv_columns is None
+                        columns = list(row) if header else self._csv_columns
+                        if header:
+                            csv.writer(out).writerow(columns)
+                        csv.DictWriter(out, columns).writerow(row)
+                    self._append(fd, size, out.getvalue().encode())
+                    if header:
+                        self._csv_columns = columns
             finally:
                 if self._closed:
-                    f.close()
-                    self._file = None
+                    self._close_fd()
 
     def close(self) -> None:
         """Close the file (idempotent); a later :meth:`write` still appends."""
         with self._lock:
             self._closed = True
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self._close_fd()
