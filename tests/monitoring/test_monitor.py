@@ -1199,7 +1199,7 @@ def test_log_written_after_close_is_appended_and_closed(tmp_path: Path) -> None:
         mon.end_window("late")
     assert mon._log is not None
     mon._log.write(m)  # a window ending while the monitor closes: appended, file closed again
-    assert mon._log._file is None  # nothing left open
+    assert mon._log._fd is None  # nothing left open
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     assert Measurement.from_dict(json.loads(lines[-1])) == m
