@@ -501,7 +501,10 @@ def test_a_clock_locked_by_another_running_guard_stays_locked(
     b.lock_sm_clock(g, 1005.0, 1005.0)
     one, other = (a, b) if first == "a" else (b, a)
     assert one.restore() == []
-    assert g.sm_clock_locked() == (1005.0, 1005.0)  # left to the other guard
+    # Left to the other guard, at the range that guard locked (the GPU was at b's, locked
+    # last: b leaving first left it there, and a took it for its own 210-900 MHz).
+    assert g.sm_clock_locked() == ((1005.0, 1005.0) if first == "a" else (210.0, 900.0))
+    assert other.holds_sm_clock(g, g.sm_clock_locked())
     assert one.changed == []
     assert other.restore() == []
     assert g.sm_clock_locked() is None and g.power_limit_w() == 400.0
@@ -609,7 +612,8 @@ def test_recovery_leaves_a_gpu_that_a_running_guard_holds(sim: Simulator, jdir: 
     lines = recover(sim.gpus, jdir)
     assert len(lines) == 2
     assert "power limit left at 200 W" in lines[0] and "guard in this process" in lines[0]
-    assert "SM clock left locked" in lines[1] and "150 W -> 275 W" in lines[1]
+    assert "SM clock locked at 1005-1005 MHz for another joules guard" in lines[1]
+    assert "150 W -> 275 W" in lines[1]
     assert (g0.power_limit_w(), g1.power_limit_w(), g1.sm_clock_locked()) == (200.0, 275.0, (1005.0, 1005.0))
     assert journals(jdir) == []
     guard.restore()

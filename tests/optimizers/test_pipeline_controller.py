@@ -718,3 +718,25 @@ def test_one_begin_out_of_order_counts_once(sim: Simulator, tmp_path: Path) -> N
         ctl.on_instruction_begin("forward", 0)
         ctl.on_instruction_begin("forward", 0)
         assert ctl.stats.out_of_order == 1
+
+
+def test_a_controller_ending_inside_another_gives_the_clock_back_at_the_outer_ones_frequency(
+        tmp_path: Path) -> None:
+    """Nested controllers on one GPU, each with its own guard: when the inner one ended, the
+    clock stayed at its 1005 MHz, and the outer one, taking it for its own 1410 MHz, never
+    locked it again (the GPU ran its plan's computations 30 % slower)."""
+    gpu = Simulator("A100").gpus[0]
+    outer_plan = [{"computation": c, "microbatch": 0, "frequency": 1410} for c in ("forward", "backward")]
+    inner_plan = [{"computation": c, "microbatch": 0, "frequency": 1005} for c in ("forward", "backward")]
+    with FrequencyController(gpu, outer_plan, journal_dir=tmp_path) as outer:
+        outer.on_instruction_begin("forward", 0)
+        outer.on_instruction_end("forward", 0)
+        with FrequencyController(gpu, inner_plan, journal_dir=tmp_path) as inner:
+            inner.on_instruction_begin("forward", 0)
+            assert gpu.sm_clock_locked() == (1005.0, 1005.0)
+            inner.on_instruction_end("forward", 0)
+        assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+        assert outer.on_instruction_begin("backward", 0) == 1410.0
+        assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+        outer.on_instruction_end("backward", 0)
+    assert gpu.sm_clock_locked() is None

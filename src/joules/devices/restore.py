@@ -16,7 +16,9 @@ machine). The first change of a GPU takes the original limit from a running guar
 changed it already, when there is one: another guard of this process (whatever its journal
 directory), else the journal of another running process in the same directory. A guard that
 restores a GPU while such a guard still has it changed leaves the GPU to that guard: the
-power limit goes back to the one that guard set last, a clock it locked stays locked. So
+power limit goes back to the one that guard set last, a clock it locked stays locked (at the
+range it locked last, where it is a guard of this process; another process's guard is not
+told, and keeps the clock as it was left until its next lock of another range). So
 every guard keeps its own setting while it runs, and the last one to restore puts back what
 the GPU had before any of them. Restores, recoveries, and the changes they must see are
 serialized (within a process, and among processes through a lock file in the journal
@@ -269,6 +271,7 @@ class _Holder:
     applied_power_limit_w: float | None
     applied_at: float
     sm_clock_locked: bool
+    guard: RestoreGuard | None = None  # the holder, where it is a guard of this process
 
 
 def _number(value: object) -> float | None:
@@ -277,10 +280,11 @@ def _number(value: object) -> float | None:
     return None
 
 
-def _holder(who: str, age: tuple[float, int], entry: dict[str, Any]) -> _Holder:
+def _holder(who: str, age: tuple[float, int], entry: dict[str, Any],
+            guard: RestoreGuard | None = None) -> _Holder:
     at = _number(entry.get("applied_at"))
     return _Holder(who, age, _number(entry.get("power_limit_w")), _number(entry.get("applied_power_limit_w")),
-                   -math.inf if at is None else at, bool(entry.get("sm_clock_locked")))
+                   -math.inf if at is None else at, bool(entry.get("sm_clock_locked")), guard)
 
 
 def _live_holders(directory: Path, uuid: str, guard: RestoreGuard | None = None) -> list[_Holder]:
@@ -290,9 +294,9 @@ def _live_holders(directory: Path, uuid: str, guard: RestoreGuard | None = None)
     ``directory`` of the other running processes of this host.
     """
     with _LOCK:
-        mine = [held for g, held in list(_REGISTRY.items()) if g is not guard]
-    found = [_holder("another joules guard in this process", age, e)
-             for age, entries in mine for e in entries if e["uuid"] == uuid]
+        mine = [(g, held) for g, held in list(_REGISTRY.items()) if g is not guard]
+    found = [_holder("another joules guard in this process", age, e, g)
+             for g, (age, entries) in mine for e in entries if e["uuid"] == uuid]
     try:
         paths = sorted(directory.glob("*.json"))
     except OSError:
@@ -358,7 +362,24 @@ def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
     out = _PutBack()
     if sm_clock_locked:
         other = next((h for h in holders if h.sm_clock_locked), None)
-        if other is not None:
+        # A guard of this process says which range it locked last: the clock goes back to it
+        # (it was at this guard's range), and that guard would otherwise take it for locked.
+        entry = other.guard._entries.get(gpu.control_uuid) if other is not None and other.guard else None
+        mhz = entry.sm_clock_range if entry is not None else None
+        if other is not None and mhz is not None:
+            try:
+                gpu.lock_sm_clock(*mhz)
+            except Exception as e:  # noqa: BLE001 - reported
+                out.failed.append(f"could not lock the SM clock at {mhz[0]:g}-{mhz[1]:g} MHz "
+                                  f"for {other.who}: {e}")
+                entry.sm_clock_range = None  # (that guard locks it again at its next change)
+            else:
+                message = (f"SM clock locked at {mhz[0]:g}-{mhz[1]:g} MHz for {other.who}, which "
+                           "locked it there and still runs")
+                out.done.append(message)
+                out.handed_over.append(message)
+            out.clock_done = True
+        elif other is not None:
             message = f"SM clock left locked for {other.who}, which locked it too and still runs"
             out.done.append(message)
             out.handed_over.append(message)
@@ -477,7 +498,8 @@ class RestoreGuard:
     is in the same directory. Then it is that guard's original (the oldest one's). Restoring
     a GPU that such a guard still has changed leaves it to that guard: the limit goes back to
     the one that guard set last (of several, the latest), and a clock it has locked too stays
-    locked; the hand-over is logged at info level. So when several guards change one GPU,
+    locked (at that guard's range, for a guard of this process); the hand-over is logged at
+    info level. So when several guards change one GPU,
     each keeps its setting while it runs, and whichever restores last puts back what the GPU
     had before all of them.
 
