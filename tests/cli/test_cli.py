@@ -469,6 +469,36 @@ def test_restore_puts_back_what_a_dead_job_left(tmp_path: Path, monkeypatch: pyt
     assert "unreadable restore journal" in capsys.readouterr().out
 
 
+def test_restore_fails_when_a_gpu_left_changed_is_out_of_reach(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Where finding GPUs failed (no NVML library, after a driver mismatch), a dead job's locked
+    GPU was "kept ... not visible here" with exit code 0 and "ok": true, the failure unsaid."""
+    import socket
+
+    from joules.cli import restore as restore_cli
+    from joules.devices.base import DeviceSet, Problem
+
+    nothing = DeviceSet(problems=[Problem("nvml", "the NVML library (libnvidia-ml.so.1) was not found"),
+                                  Problem("CPU", "no RAPL")])
+    monkeypatch.setattr(restore_cli, "discover", lambda: nothing)
+    jdir = tmp_path / "journals"
+    jdir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    (jdir / "job.json").write_text(json.dumps({
+        "host": socket.gethostname(), "pid": dead.pid, "process_start_time": None,
+        "gpus": [{"uuid": "GPU-1234", "index": 0, "name": "A100", "power_limit_w": None,
+                  "sm_clock_locked": True}]}))
+    assert main(["restore", "--journal-dir", str(jdir), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["actions"][0]["kind"] == "kept"
+    assert out["problems"] == ["nvml: the NVML library (libnvidia-ml.so.1) was not found"]
+    assert main(["restore", "--journal-dir", str(jdir)]) == 1
+    out, err = capsys.readouterr()
+    assert "not visible here" in out and "may be out of reach: nvml: the NVML library" in err
+    assert (jdir / "job.json").exists()  # kept for a later run
+
+
 def test_ctrl_c_stops_a_shell_loop_of_measured_commands(tmp_path: Path) -> None:
     """A shell goes on after a command that exits 130; it stops when the command died of SIGINT."""
     import os

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -29,14 +30,21 @@ def register(app: typer.Typer) -> None:
         """Restore power limits and clocks that jobs which are no longer running left changed.
 
         Reads the journals that joules writes before changing a GPU; exits with 1 when
-        something could not be restored or a journal is unreadable.
+        something could not be restored, a journal is unreadable, or a GPU left changed is
+        not found while finding GPUs had problems (which are named).
         """
         use_sim(sim)
         if journal_dir is not None and journal_dir.exists() and not journal_dir.is_dir():
             raise JoulesError(f"--journal-dir {str(journal_dir)!r} is not a directory")
         directory = journal_dir if journal_dir is not None else default_journal_dir()
-        lines = recover_report(discover().gpus, directory)
+        devices = discover()
+        lines = recover_report(devices.gpus, directory)
         ok = all(line.ok for line in lines)
+        # A GPU a dead job left changed that cannot be reached because discovery failed (no
+        # driver, NVML failing): not done, and the reasons said.
+        unreached = [f"{p.device}: {p.message}" for p in devices.problems if not p.device.startswith("CPU")
+                     ] if any(x.kind == "kept" for x in lines) else []
+        ok = ok and not unreached
         restored = sum(line.kind == "restored" for line in lines)
         if as_json:
             print_out(json.dumps({
@@ -44,10 +52,13 @@ def register(app: typer.Typer) -> None:
                 "restored": restored,
                 "ok": ok,
                 "actions": [{"kind": x.kind, "message": x.message, "journal": x.journal} for x in lines],
+                "problems": unreached,
             }, indent=2))
         else:
             for line in lines:
                 print_out(line.message)
+            for problem in unreached:
+                print(f"joules: a GPU left changed may be out of reach: {problem}", file=sys.stderr)
             if ok and not any(x.kind in ("restored", "kept") for x in lines):
                 # Name a directory that does not exist: a mistyped --journal-dir shows.
                 print_out("nothing to restore" if directory.is_dir()

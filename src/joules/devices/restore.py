@@ -821,8 +821,10 @@ class RestoreGuard:
                 self._journal_warned = True
                 logger.warning(
                     "joules: cannot write the restore journal in %s (%s); GPUs are still restored "
-                    "on exit and on SIGINT/SIGTERM, but not after SIGKILL. Set %s to a writable "
-                    "directory to fix this.", self.journal_dir, e, STATE_ENV,
+                    "on exit and on SIGINT/SIGTERM, but not after SIGKILL, and other processes "
+                    "that change these GPUs cannot see this one's changes (one may take a limit "
+                    "set here for the GPU's own, and put it back). Set %s to a writable directory "
+                    "to fix this.", self.journal_dir, e, STATE_ENV,
                 )
 
     def _register(self) -> None:
