@@ -929,3 +929,29 @@ def test_stalls_more_often_than_the_windows_end_shorten_them():
     steps = train_with_stalls(sim, opt, 0.1, every=25, stall_s=0.4, max_steps=3000)
     assert opt.chosen_limit_w == 225.0 and steps < 1000
     monitor.close()
+
+
+def test_a_workload_changed_after_the_choice_is_profiled_again_and_not_saved(tmp_path) -> None:
+    sim, _, opt = make(selector="energy", workload="job", store=tmp_path / "profiles")
+    opt.on_train_begin()
+    for _ in range(600):
+        opt.on_step_begin()
+        sim.run(WORK_S, CF)
+        opt.on_step_end()
+    assert opt.state is State.DONE
+    saved = sorted(p.name for p in (tmp_path / "profiles").rglob("*.json"))
+    assert saved
+    opt.workload_changed("the batch size changed from 16 to 8")
+    assert opt.state is State.WARMUP and opt.points == {} and opt.chosen_limit_w is None
+    assert sim.gpus[0].power_limit_w() == opt.limits_w[0]  # from the highest limit again
+    for _ in range(1200):  # steps of half the work now
+        opt.on_step_begin()
+        sim.run(WORK_S / 2, CF)
+        opt.on_step_end()
+    opt.on_train_end()
+    assert opt.state is State.DONE
+    for limit, p in opt.points.items():
+        assert p.time_s == pytest.approx(truth("A100", limit).time_s / 2, rel=1e-2)
+    before = {p.name: p.read_text() for p in (tmp_path / "profiles").rglob("*.json")}
+    assert sorted(before) == saved  # the first profile is left as it was, none added
+    assert sim.gpus[0].power_limit_w() == 400.0

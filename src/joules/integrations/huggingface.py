@@ -73,16 +73,29 @@ class PowerLimitCallback(TrainerCallback):
         self._cycles = 0  # optimizer steps begun in this epoch
         self._substeps = 0  # micro-batches of the current cycle before its last
         self._partial = False  # the current cycle is the epoch's short last one
+        self._batch_size: int | None = None  # the Trainer's batch size in the latest run
+        self._resumed = False  # the next epoch is the first of a run (which may resume part-way)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.optimizer.on_train_begin()
+        self._resumed = True
+        # ``auto_find_batch_size`` runs training again with a smaller batch size after running
+        # out of memory: the steps measured so far were other steps.
+        size = getattr(state, "train_batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            if self._batch_size is not None and size != self._batch_size:
+                self.optimizer.workload_changed(f"the batch size changed from {self._batch_size} to {size}")
+            self._batch_size = size
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # A resumed run starts part-way through an epoch: count the steps it has done there.
+        # A run resumed from a checkpoint starts part-way through its first epoch (unless the
+        # Trainer replays it whole, ``ignore_data_skip``): count the steps done there.
         k, batches = _accumulation(args), _length(kwargs.get("train_dataloader"))
         step = getattr(state, "global_step", 0)
         per_epoch = -(-batches // k) if batches else 0
-        self._cycles = step % per_epoch if per_epoch and isinstance(step, int) else 0
+        first, self._resumed = self._resumed, False
+        skipped = first and not getattr(args, "ignore_data_skip", False)
+        self._cycles = step % per_epoch if skipped and per_epoch and isinstance(step, int) else 0
         self.optimizer.on_epoch_begin()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

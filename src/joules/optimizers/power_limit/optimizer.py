@@ -267,6 +267,7 @@ class PowerLimitOptimizer:
         self._interval_len: int | None = None  # steps between the last two such pauses
         self._idle_epochs = 0
         self._short_epochs_warned = False
+        self._changed_workload = False  # workload_changed: nothing is saved
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -542,6 +543,35 @@ class PowerLimitOptimizer:
         if self._measured:
             self._save()  # what was measured serves the next job
         self.restore()
+
+    def workload_changed(self, why: str) -> None:
+        """The work of a step changed (a smaller batch size after running out of memory, say).
+
+        The points measured so far (and those taken from a saved profile) no longer describe
+        the steps: they are dropped and the limits profiled again, from the highest. Nothing
+        this optimizer measures is saved from then on: its ``workload`` name describes the
+        steps it was made for. Call it on every rank alike.
+
+        Args:
+            why: What changed, for the log.
+        """
+        if self.state is State.READY:
+            return  # nothing measured yet
+        if self._window_open:
+            self._cancel()
+        log.warning("%s: the power-limit profile so far no longer applies, and is measured again "
+                    "(and not saved%s)", why, f" as {self.workload!r}" if self.workload else "")
+        self._changed_workload = True
+        self.points.clear()
+        self._measured = []
+        self.reused_profile, self.reused_limits_w = False, []
+        self.chosen_limit_w = None
+        self._outliers = self._judged = 0
+        self._outliers_seen = self._outliers_off = False
+        self._chunk_s = None
+        self.search = self._make_search()
+        self._ended = False
+        self._next_limit()
 
     def on_train_end(self) -> None:
         """Training ended: put back the limits the GPUs had before.
@@ -930,7 +960,8 @@ class PowerLimitOptimizer:
 
     def _save(self) -> None:
         """Add the points measured now to the saved profile (rank 0; never fails training)."""
-        if self.workload is None or self._rank() != 0 or self.dry_run or self._outliers_seen:
+        if (self.workload is None or self._rank() != 0 or self.dry_run or self._outliers_seen
+                or self._changed_workload):
             return  # (points that left out the workload's own long steps are not kept)
         try:
             saved, meta = self.store.read(self._model, self.total_gpus, self.workload)
