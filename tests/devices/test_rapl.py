@@ -461,8 +461,37 @@ def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
         os.dup2(directory, opened[0])  # the open file now fails to read (as after a driver unload)
     finally:
         os.close(directory)
+    (cpu.package.path / "energy_uj").rename(tmp_path / "gone")  # and no new file to open
     with pytest.raises(NotSupportedError, match=r"CPU 0: RAPL zone package-0 .* cannot be read any more"):
         cpu.package_energy_j()
+
+
+def test_a_zone_whose_driver_was_reloaded_is_opened_again(tmp_path: Path) -> None:
+    """The driver unloaded and loaded again: the open file failed every read from then on, and
+    every window (GPUs' too) with it, for the monitor's whole life. The new file is opened."""
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    opened: list[int] = []
+
+    def opener(path: str, flags: int) -> int:
+        opened.append(os.open(path, flags))
+        return opened[-1]
+
+    (cpu,), _ = discover(fake, opener=opener)
+    energy = cpu.package.path / "energy_uj"
+    energy.write_text("5000000\n")
+    before = cpu.package_energy_j()
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.dup2(directory, opened[0])  # the old file fails to read ...
+    finally:
+        os.close(directory)
+    energy.unlink()
+    energy.write_text("7000000\n")  # ... and the reloaded driver made a new one
+    assert cpu.package_energy_j() - before == pytest.approx(2.0)
+    assert len(opened) == 2
+    energy.write_text("7500000\n")
+    assert cpu.package_energy_j() - before == pytest.approx(2.5)
+    assert len(opened) == 2  # the new file, kept open
 
 
 def test_a_psys_zone_that_stops_being_readable_leaves_the_package_read(tmp_path: Path) -> None:

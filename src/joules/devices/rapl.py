@@ -149,6 +149,7 @@ class RaplZone:
         self.permission_denied = False
         self._counter = WrappingCounter(max_range)
         self._lock = fork_safe_lock(self)
+        self._opener = opener
         energy_path = str(self.path / "energy_uj")
         try:
             self._fd = opener(energy_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -178,11 +179,33 @@ class RaplZone:
         return self._fd is not None
 
     def raw_uj(self) -> int:
-        """The raw (wrapping) counter, µJ: one ``pread`` on the open file."""
+        """The raw (wrapping) counter, µJ: one ``pread`` on the open file.
+
+        A read that fails opens the file again once and reads that: a driver reloaded
+        (``intel_rapl`` unloaded and loaded again) made the file anew, and the counter, the
+        processor's own, went on counting meanwhile.
+        """
         fd = self._fd
         if fd is None:
             raise OSError(errno.EBADF, f"{self.path / 'energy_uj'} is not open")
-        return int(os.pread(fd, _READ_SIZE, 0))
+        try:
+            return int(os.pread(fd, _READ_SIZE, 0))
+        except OSError as first:
+            try:
+                fresh = self._opener(str(self.path / "energy_uj"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                raise first from None
+            try:
+                value = int(os.pread(fresh, _READ_SIZE, 0))
+            except (OSError, ValueError):
+                os.close(fresh)
+                raise first from None
+            self._fd = fresh
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            return value
 
     def energy_uj(self) -> int:
         """Wrap-corrected cumulative energy, µJ (arbitrary origin)."""
