@@ -1111,6 +1111,40 @@ def test_mig_instances_of_one_gpu_are_counted_once() -> None:
         mon.close()
 
 
+def test_mig_instances_used_from_two_pods_count_once_with_the_nodes_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pods on one node (each its own host name), each with a MIG instance of one GPU: the
+    job total counted the GPU twice. JOULES_HOST names the machine the devices are on."""
+    from joules.monitoring.distributed import combine
+    from joules.testing import fake_pynvml
+
+    sim = Simulator("A100,nocpu")
+    sim.set_workload(Constant(0.5))
+    with fake_pynvml.installed(sim, mig={0: 2}) as nv:
+        gpus = fake_pynvml.mig_gpus(nv)
+        totals = {}
+        for node in (None, "node-7"):
+            monitors = []
+            for pod, gpu in zip(("pod-a", "pod-b"), gpus, strict=True):
+                monkeypatch.setattr("socket.gethostname", lambda pod=pod: pod)
+                if node is None:
+                    monkeypatch.delenv("JOULES_HOST", raising=False)
+                else:
+                    monkeypatch.setenv("JOULES_HOST", node)
+                monitors.append(EnergyMonitor(devices=DeviceSet(gpus=[gpu], cpus=[], clock=sim.clock)))
+            sim.advance(2.0)
+            e0 = sim.gpus[0].true_energy_j()
+            for mon in monitors:
+                mon.begin_window("w")
+            sim.advance(5.0)
+            totals[node] = combine([mon.end_window("w") for mon in monitors]).total_energy_j
+            true = sim.gpus[0].true_energy_j() - e0
+            for mon in monitors:
+                mon.close()
+        assert totals[None] == pytest.approx(2 * true, rel=1e-3)  # two host names: counted twice
+        assert totals["node-7"] == pytest.approx(true, rel=1e-3)
+
+
 @pytest.mark.parametrize(("spec", "read", "length_s"), [
     ("A100,nocpu", "energy_j", 1.0),  # the end edge's counter read
     ("A100,nocpu", "power_w", 0.004),  # a window too short for the counter reads the power

@@ -8,6 +8,7 @@ Units are SI throughout: seconds, joules, watts, MHz, degrees Celsius.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -36,6 +37,21 @@ def renew_locks_after_fork(owner: _T, renew: Callable[[_T], None]) -> _T:
     """
     _RENEW_AFTER_FORK[owner] = renew
     return owner
+
+
+HOST_ENV = "JOULES_HOST"
+
+
+def host_name() -> str:
+    """The name of the machine whose devices these are: ``$JOULES_HOST``, else the host name.
+
+    Devices are told apart by host and id (a GPU's UUID, ``<host>/cpu0``), so that processes on
+    one machine count each device once. Containers on one machine (Kubernetes pods, each with
+    a host name of its own) share its GPUs and CPU packages: give them the machine's name
+    (``JOULES_HOST``, e.g. the node name from the downward API) so that a GPU they share (MIG
+    instances of one GPU) and the CPU packages count once.
+    """
+    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
 
 
 def fork_safe_lock(owner: object, attr: str = "_lock",

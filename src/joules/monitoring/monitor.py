@@ -6,7 +6,6 @@ import functools
 import inspect
 import itertools
 import math
-import socket
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -15,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, overload
 
-from joules.devices.base import CPU, GPU, DeviceSet, renew_locks_after_fork
+from joules.devices.base import CPU, GPU, DeviceSet, host_name, renew_locks_after_fork
 from joules.devices.discovery import discover
 from joules.errors import (
     DeviceNotFoundError,
@@ -217,7 +216,7 @@ class EnergyMonitor:
             drams = [c.index for c, d in zip(self.cpus, self._dram, strict=True) if d]
             columns = WindowLog.csv_columns([g.index for g in self.gpus], [c.index for c in self.cpus], drams)
             self._log = WindowLog(log, columns)
-        self._host = socket.gethostname()
+        self._host = host_name()
         self._windows: dict[str, _Edge] = {}
         self._closed = False
         self._discarded: set[str] = set()  # keys of the windows open when the monitor closed

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from joules.devices.base import GPU
+from joules.devices.base import GPU, host_name
 from joules.devices.restore import RestoreGuard
 from joules.errors import DevicePermissionError, JoulesError, WindowError
 from joules.monitoring.monitor import EnergyMonitor
@@ -904,7 +903,7 @@ class PowerLimitOptimizer:
         once, by the lowest rank that sees it (by host and the UUID of what its readings
         measure: MIG instances of one GPU all read that whole GPU, which counts once).
         """
-        host = socket.gethostname()
+        host = host_name()
         mine = [(host, g.measured_uuid, g.name) for g in self.gpus]
         if self._dist is None:
             ranks = [mine]
