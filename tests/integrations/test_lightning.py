@@ -226,3 +226,14 @@ def test_under_manual_optimization_every_batch_is_a_step():
     trainer.fit(ManualMLP(), loader(176))
     assert trainer.global_step == 0
     check_profiled_chose_and_restored(sim, opt, work.seen)
+
+
+def test_a_spawning_strategy_is_told_to_use_ddp() -> None:
+    """``strategy="ddp_spawn"`` pickles the callbacks: it failed with "cannot pickle
+    '_thread.RLock' object", naming neither joules nor a fix."""
+    import pickle
+
+    sim = Simulator("A100")
+    opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), dry_run=True, handle_signals=False)
+    with pytest.raises(TypeError, match=r"PowerLimitCallback cannot be sent to another.*strategy='ddp'"):
+        pickle.dumps(PowerLimitCallback(opt))

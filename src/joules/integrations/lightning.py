@@ -78,6 +78,16 @@ class PowerLimitCallback(Callback):
         self._partial = False  # the batches of an epoch's last, partial accumulation cycle
         self._cycle_end = -1  # batch index that ends the current cycle
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The optimizer drives this process's GPUs (its monitor's sampler thread, its restore
+        # guard): it cannot be sent to other processes, as ``ddp_spawn`` sends the trainer.
+        raise TypeError(
+            "joules' PowerLimitCallback cannot be sent to another process (strategy='ddp_spawn' "
+            "or another spawning strategy pickles the callbacks): use strategy='ddp' (each rank "
+            "runs the script and makes its own optimizer), or make the callback and its "
+            "optimizer inside each spawned process"
+        )
+
     # -- training -------------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._partial = False
