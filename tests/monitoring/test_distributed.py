@@ -125,6 +125,16 @@ def test_a_combined_total_combines_again_without_counting_a_device_twice_or_drop
     assert combine([flat]).total_energy_j == flat.total_energy_j
     again = Measurement.from_dict(json.loads(json.dumps(flat.to_dict())))  # via a log
     assert again == flat and combine([again, ranks[0]]).total_energy_j == flat.total_energy_j
+    # A subgroup total written before entries recorded their host: its CPU packages are still
+    # told by their ids (they were counted twice, under the joined host names).
+    # (Here two GPUs on each host, one per subgroup.)
+    ranks[1] = meas("n0", {0: (100.0, UUID_B)}, cpu={0: 10.0})
+    old = combine([ranks[0], ranks[2]]).to_dict()
+    for zone in ("gpu", "cpu", "dram"):
+        for entry in old[zone].values():
+            entry.pop("host", None)
+    older = Measurement.from_dict(json.loads(json.dumps(old)))
+    assert combine([older, combine([ranks[1], ranks[3]])]).total_energy_j == combine(ranks).total_energy_j
 
 
 def test_uncertainty_and_sources_kept_per_device():

@@ -85,6 +85,10 @@ def _merge(
             for index in sorted(zones):
                 d = zones[index]
                 on = d.host or host
+                if not d.host and "," in host and "/" in d.device_id:
+                    # A total combined from several hosts before entries recorded their host
+                    # (older files): a CPU package's or DRAM zone's id still names it.
+                    on = d.device_id.split("/", 1)[0]
                 if d.device_id or dedup_without_id:
                     if not d.device_id:  # named by its index, as the monitor names zones, so
                         d = replace(d, device_id=f"{on}/{prefix}{index}")  # renumbering keeps it
