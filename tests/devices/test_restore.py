@@ -770,10 +770,12 @@ def test_journal_write_failure_does_not_stop_the_change(
 
 # -- real processes ---------------------------------------------------------------------------
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from joules.devices.discovery import discover
     from joules.devices.restore import RestoreGuard
 
+    if sys.argv[1] == "nohup":
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     gpus = discover().gpus
     guard = RestoreGuard(gpus)
     guard.set_power_limit_w(gpus[0], 150)
@@ -822,7 +824,7 @@ def test_child_that_ends_restores(mode: str, shared: tuple[Path, dict[str, str]]
     assert journals(tmp_path / "restore") == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_child_interrupted_restores(signum: int, shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     state, env = shared
     p = start_child("wait", env)
@@ -844,6 +846,25 @@ def test_child_interrupted_restores(signum: int, shared: tuple[Path, dict[str, s
         assert "KeyboardInterrupt" in err
     assert recorded(state) == (300.0, 275.0, None)
     assert journals(tmp_path / "restore") == []
+
+
+def test_a_hang_up_under_nohup_leaves_the_job_running_with_its_settings(
+        shared: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
+    state, env = shared
+    p = start_child("nohup", env)
+    try:
+        p.send_signal(signal.SIGHUP)  # ignored: the job goes on, and so do its settings
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=1.0)
+        assert recorded(state) == (150.0, 125.0, [210.0, 900.0])
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == -signal.SIGTERM
+    assert recorded(state) == (300.0, 275.0, None)
 
 
 @pytest.mark.parametrize("how", ["recover", "cli"])

@@ -7,9 +7,10 @@ before its first change, and puts that back when the job ends:
 
 - explicitly (:meth:`RestoreGuard.restore`, or leaving its ``with`` block);
 - at interpreter exit, including after an uncaught exception (``atexit``);
-- on SIGINT and SIGTERM (when the first change is made in the main thread, or
-  :meth:`RestoreGuard.install_signal_handlers` was called from it beforehand), after which
-  the signal goes on to the handler that was there before.
+- on SIGINT, SIGTERM and SIGHUP (a closed terminal or SSH session; not when SIGHUP is
+  ignored, as under ``nohup``), when the first change is made in the main thread, or
+  :meth:`RestoreGuard.install_signal_handlers` was called from it beforehand; the signal
+  then goes on to the handler that was there before.
 
 Several guards may change the same GPU (two components of a job, or two jobs on one
 machine). The first change of a GPU takes the original limit from a running guard that
@@ -73,7 +74,7 @@ JOURNAL_FORMAT = 1
 
 logger = logging.getLogger(__name__)
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
@@ -845,6 +846,8 @@ class RestoreGuard:
                 continue
             try:
                 prev = signal.getsignal(signum)
+                if signum == getattr(signal, "SIGHUP", None) and prev == signal.SIG_IGN:
+                    continue  # (under nohup a hang-up ends nothing: the GPUs stay as they are)
                 signal.signal(signum, self._handle_signal)
             except (ValueError, OSError):
                 continue
