@@ -394,6 +394,13 @@ def test_from_rank_file_checks_the_stage(sim: Simulator, tmp_path: Path) -> None
     (tmp_path / "odd.json").write_text(json.dumps(odd))
     with pytest.raises(PlanError, match="malformed stage '1'"):
         FrequencyController.from_file(tmp_path / "odd.json", sim.gpus[1], stage=1, dry_run=True)
+    # The number of stages: a plan for 2 stages run on a pipeline of 4 (or another count).
+    assert rank["stages"] == 2
+    FrequencyController.from_file(rank1, sim.gpus[1], stage=1, stages=2, dry_run=True)
+    with pytest.raises(PlanMismatchError, match=r"rank1\.json is a plan for 2 stages, but this pipeline has"):
+        FrequencyController.from_file(rank1, sim.gpus[1], stage=1, stages=4, dry_run=True)
+    with pytest.raises(PlanMismatchError, match=r"odd\.json records no number of stages"):
+        FrequencyController.from_file(tmp_path / "odd.json", sim.gpus[1], stages=2, dry_run=True)
 
 
 # -- real processes: what a job leaves when it ends, is stopped, or is killed -----------------

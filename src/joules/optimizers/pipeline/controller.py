@@ -321,7 +321,7 @@ class FrequencyController:
     @classmethod
     def from_file(
         cls, path: str | Path, gpu: GPU, *, stage: int | None = None, microbatches: int | None = None,
-        **kwargs: object,
+        stages: int | None = None, **kwargs: object,
     ) -> FrequencyController:
         """A controller from a ``rank{stage}.json`` file :meth:`Frontier.save` writes (or a JSON list).
 
@@ -336,12 +336,16 @@ class FrequencyController:
             microbatches: The microbatches this rank runs per iteration. When given, the plan
                 must have that many (a plan for 8 run with 4 would lock the wrong clocks
                 without an error in the non-strict mode).
+            stages: The pipeline's number of stages. When given, the file must record that
+                many (a GPipe plan for 4 stages run on 2 follows the same order of
+                computations: the last stage would run a middle stage's clocks, unnoticed).
             **kwargs: Passed on to the constructor (``guard``, ``dry_run``, ...).
 
         Raises:
             PlanError: Missing or malformed file.
             PlanMismatchError: The file is another stage's plan, records no stage to check
-                ``stage`` against, or plans another number of microbatches.
+                ``stage`` against, plans another number of microbatches, or (given
+                ``stages``) of stages.
         """
         path = Path(path)
         try:
@@ -366,6 +370,18 @@ class FrequencyController:
                 raise PlanMismatchError(
                     f"{path} is the plan of stage {recorded}, but this rank runs stage {stage}; "
                     f"load rank{stage}.json of the same plan directory"
+                )
+        if stages is not None:
+            recorded = data.get("stages") if isinstance(data, dict) else None
+            if recorded is None:
+                raise PlanMismatchError(
+                    f"{path} records no number of stages, so it cannot be checked against {stages}; "
+                    "plan again with this joules, or load it with stages=None to skip the check"
+                )
+            if recorded != stages:
+                raise PlanMismatchError(
+                    f"{path} is a plan for {recorded} stages, but this pipeline has {stages}: plan "
+                    "again for this pipeline (joules pipeline plan --stages)"
                 )
         # Checked before the controller is made: it installs signal handlers and recovers clocks.
         planned = 1 + max(i.microbatch for i in parse_instructions(instructions))

@@ -298,7 +298,7 @@ class Frontier:
                 old.unlink()
         for stage in range(self.dag.stages):
             (directory / f"rank{stage}.json").write_text(
-                json.dumps({"stage": stage, "schedule": self.dag.schedule,
+                json.dumps({"stage": stage, "stages": self.dag.stages, "schedule": self.dag.schedule,
                             "microbatches": self.dag.microbatches, "time_s": self.fastest.time_s,
                             "energy_j": self.fastest.energy_j,
                             "instructions": self.rank_plan(self.fastest, stage)}, indent=1)
