@@ -581,3 +581,41 @@ def test_forked_child_updates_a_wrapping_counter_held_in_the_parent() -> None:
     finally:
         release.set()
     assert out == "110"  # a wrap, counted in the child
+
+
+def test_a_reopened_zone_keeps_its_number_when_its_old_one_was_closed_elsewhere(tmp_path: Path) -> None:
+    """Its descriptor closed behind its back, the zone reopened onto the same (lowest free)
+    number and then closed it: the next file the program opened took the number, read as RAPL."""
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    (cpu,), _ = discover(fake)
+    (cpu.package.path / "energy_uj").write_text("5000000\n")
+    before = cpu.package_energy_j()
+    os.close(cpu.package._fd)  # closed by someone else (a library that closes every descriptor)
+    (cpu.package.path / "energy_uj").write_text("6000000\n")
+    assert cpu.package_energy_j() - before == pytest.approx(1.0)
+    with open(tmp_path / "other.txt", "w") as other:  # takes the lowest free number
+        assert other.fileno() != cpu.package._fd
+        other.write("123456789\n")
+        other.flush()
+        (cpu.package.path / "energy_uj").write_text("6500000\n")
+        assert cpu.package_energy_j() - before == pytest.approx(1.5)
+
+
+def test_a_reloaded_zone_whose_new_file_is_root_only_says_so(tmp_path: Path) -> None:
+    fake = FakePowercap(tmp_path, packages=1, dram=False)
+    opened: list[int] = []
+
+    def opener(path: str, flags: int) -> int:
+        if opened:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        opened.append(os.open(path, flags))
+        return opened[-1]
+
+    (cpu,), _ = discover(fake, opener=opener)
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.dup2(directory, opened[0])
+    finally:
+        os.close(directory)
+    with pytest.raises(NotSupportedError, match="Permission denied"):
+        cpu.package_energy_j()

@@ -396,3 +396,17 @@ def test_gather_across_real_processes(tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--launch":
     sys.exit(_launch(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])))
+
+
+def test_devices_left_out_by_ranks_are_named_once_and_only_if_no_rank_measured_them():
+    """A CPU package one rank could not read but another measured was named missing while
+    counted; two ranks' own GPU 0, both unreadable, were one "gpu0"."""
+    r0 = replace(meas("n1", {}, cpu={0: 950.0}), missing=())
+    r1 = replace(meas("n1", {}), missing=("cpu0",))  # the same package, unread by this rank
+    r2 = replace(meas("n1", {0: (1000.0, UUID_A)}), missing=())
+    r3 = replace(meas("n1", {}), missing=("gpu0",))
+    r4 = replace(meas("n1", {}), missing=("gpu0", "dram0"))
+    total = combine([r0, r1, r2, r3, r4])
+    assert total.cpu_energy_j == {0: 950.0} and total.total_energy_j == 1950.0
+    assert total.missing == ("n1/3/gpu0", "n1/4/gpu0", "n1/dram0")
+    assert combine([total]).missing == total.missing  # combined again: as they are

@@ -226,3 +226,14 @@ def test_a_log_moved_away_or_deleted_is_made_again(tmp_path: Path, suffix: str) 
             assert [json.loads(line)["name"] for line in p.read_text().splitlines()] == names
         else:
             assert [r["name"] for r in csv.DictReader(p.open(newline=""))] == names
+
+
+def test_a_csv_log_emptied_in_place_gets_its_header_again(tmp_path: Path) -> None:
+    """logrotate's copytruncate empties the file it keeps: the rows after it had no header."""
+    path = tmp_path / "windows.csv"
+    log = WindowLog(path)
+    log.write(window("w1", 100.0, 10.0))
+    os.truncate(path, 0)
+    log.write(window("w2", 100.0, 11.0))
+    log.close()
+    assert [r["name"] for r in csv.DictReader(path.open(newline=""))] == ["w2"]

@@ -1811,3 +1811,44 @@ def test_a_partial_end_still_fails_on_a_window_that_is_not_open() -> None:
     m, truth = measure_span(sim, mon, "w", 1.0)  # and a plain end is unchanged
     assert m.missing == () and "missing" not in m.to_dict()
     mon.close()
+
+
+def test_a_partial_end_of_a_gpu_whose_counter_fails_uses_the_power_read_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler skipped a GPU's power reading whenever its counter read failed: the partial
+    end stretched the last reading from before the failure (984 J for 4090 J, within a bound
+    as wide as the whole power range)."""
+    from joules.errors import JoulesError
+
+    sim, mon = setup("A100,nocpu", Constant(0.1), warm=3.0)
+    gpu = sim.gpus[0]
+    down = [False]
+    real = type(gpu).energy_j
+
+    def energy_j(self):  # type: ignore[no-untyped-def]
+        if down[0]:
+            raise JoulesError("GPU 0 (sim): energy counter: Unknown Error")
+        return real(self)
+
+    monkeypatch.setattr(type(gpu), "energy_j", energy_j)
+    before = Truth(sim)
+    mon.begin_window("w")
+    sim.advance(1.0)
+    down[0] = True
+    sim.set_workload(Constant(1.0))  # the load rises while the counter cannot be read
+    sim.advance(10.0)
+    d = mon.end_window("w", partial=True).gpu[0]
+    true = Truth(sim).since(before)["gpu"][0]
+    assert d.source is Source.SAMPLED
+    assert_bounded(d, true, 0.05 * true)  # from the power readings: close, and said so
+    mon.close()
+
+
+def test_a_machine_name_with_a_comma_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host names joined by commas name a total combined across hosts: one with a comma made a
+    monitor's own devices count as several hosts' (a MIG GPU twice)."""
+    from joules.errors import InvalidSpecError
+
+    monkeypatch.setenv("JOULES_HOST", "rack1,node7")
+    with pytest.raises(InvalidSpecError, match="JOULES_HOST='rack1,node7': a host name cannot have a comma"):
+        EnergyMonitor(sim="A100")

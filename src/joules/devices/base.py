@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from joules.clock import Clock, RealClock
-from joules.errors import NotSupportedError
+from joules.errors import InvalidSpecError, NotSupportedError
 
 _T = TypeVar("_T")
 
@@ -51,7 +51,10 @@ def host_name() -> str:
     (``JOULES_HOST``, e.g. the node name from the downward API) so that a GPU they share (MIG
     instances of one GPU) and the CPU packages count once.
     """
-    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
+    name = os.environ.get(HOST_ENV, "").strip()
+    if "," in name:  # (host names joined with commas name a total combined across hosts)
+        raise InvalidSpecError(f"{HOST_ENV}={name!r}: a host name cannot have a comma")
+    return name or socket.gethostname()
 
 
 def fork_safe_lock(owner: object, attr: str = "_lock",

@@ -193,18 +193,22 @@ class RaplZone:
         except OSError as first:
             try:
                 fresh = self._opener(str(self.path / "energy_uj"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except PermissionError:
+                raise  # (the new file is root's: say so)
             except OSError:
                 raise first from None
             try:
                 value = int(os.pread(fresh, _READ_SIZE, 0))
             except (OSError, ValueError):
-                os.close(fresh)
+                if fresh != fd:
+                    os.close(fresh)
                 raise first from None
             self._fd = fresh
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            if fresh != fd:  # (a number closed behind this zone's back may have come back to it)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
             return value
 
     def energy_uj(self) -> int:

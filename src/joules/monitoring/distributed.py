@@ -163,24 +163,38 @@ def combine(
         start = min(m.start_time for m in groups[0][1])
         elapsed = max(spans)
 
+    cpu = _merge(groups, "cpu", "cpu", dedup_without_id=True)
+    dram = _merge(groups, "dram", "dram", dedup_without_id=True)
     return Measurement(
         name=window,
         start_time=start,
         elapsed_s=max(0.0, elapsed),
         gpu=_merge(groups, "gpu", "gpu", dedup_without_id=False),
-        cpu=_merge(groups, "cpu", "cpu", dedup_without_id=True),
-        dram=_merge(groups, "dram", "dram", dedup_without_id=True),
+        cpu=cpu,
+        dram=dram,
         host=",".join(hosts),
-        missing=_missing(items, several_hosts=len(hosts) > 1),
+        missing=_missing(items, cpu, dram),
     )
 
 
-def _missing(items: Sequence[Measurement], several_hosts: bool) -> tuple[str, ...]:
-    """The devices the ranks could not read, each once (host-qualified across hosts)."""
+def _missing(items: Sequence[Measurement], cpu: _Zone, dram: _Zone) -> tuple[str, ...]:
+    """The devices the ranks could not read and no other rank measured, each once.
+
+    A CPU package or DRAM zone is named by its id (``<host>/cpu0``), and left out when
+    another rank of its host measured it. A GPU, named by each rank's own index, is named
+    ``<host>/<position>/gpu<k>``, the position that of its measurement in ``items`` (the rank,
+    as :func:`gather` passes them).
+    """
+    measured = {d.device_id for zone in (cpu, dram) for d in zone.values()}
     out: dict[str, None] = {}
-    for m in items:
+    for i, m in enumerate(items):
         for x in m.missing:
-            out[f"{m.host}/{x}" if several_hosts and "/" not in x else x] = None
+            if x.count("/") >= 1:  # from a measurement combined already
+                out[x] = None
+            elif x.startswith("gpu"):
+                out[f"{m.host}/{i}/{x}"] = None
+            elif f"{m.host}/{x}" not in measured:
+                out[f"{m.host}/{x}"] = None
     return tuple(out)
 
 

@@ -24,7 +24,7 @@ class WindowLog:
     (the file is opened for it and closed again). Thread-safe. A file that ends in a cut-off
     line (a job killed while writing it) gets a newline before the next record, so that the
     broken line does not take that record with it. A file moved away (rotated) or deleted
-    meanwhile is made again at ``path``.
+    meanwhile is made again at ``path``; a CSV file emptied meanwhile gets its header again.
 
     Several monitors, in one process or several (one per rank), may append to one file: a CSV
     file's header is written once, by whichever writes first (under an exclusive lock on the
@@ -176,6 +176,8 @@ class WindowLog:
                 fd = self._open()
                 with exclusive(fd):  # other processes' writers wait
                     size = os.fstat(fd).st_size
+                    if size == 0:  # (emptied meanwhile, as logrotate's copytruncate does)
+                        self._csv_columns = None
                     out = io.StringIO()
                     header = False
                     if self._ends_mid_line(fd, size):  # a cut-off line: ended first
@@ -199,6 +201,14 @@ class WindowLog:
             finally:
                 if self._closed:
                     self._close_fd()
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close the file (idempotent); a later :meth:`write` still appends."""

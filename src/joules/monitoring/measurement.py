@@ -98,8 +98,9 @@ class Measurement:
         dram: Per-package DRAM energy, keyed by package index (empty when not measured).
         host: Host name, used when combining measurements across processes.
         missing: Devices that could not be read at the window's end, left out of every
-            total (``gpu1``, ``cpu0``, ``dram0``; ``<host>/gpu1`` in a measurement combined
-            from several hosts). Only :meth:`EnergyMonitor.end_window
+            total (``gpu1``, ``cpu0``, ``dram0``; in a combined measurement ``<host>/cpu0``
+            and ``<host>/<rank>/gpu1``, see :func:`~joules.monitoring.distributed.combine`).
+            Only :meth:`EnergyMonitor.end_window
             <joules.monitoring.monitor.EnergyMonitor.end_window>` with ``partial=True`` leaves
             devices out; otherwise this is empty.
 

@@ -405,18 +405,22 @@ class PowerSampler:
     def _tick(self, now: float) -> None:
         next_tick = now + self.interval_s
         for track in self._tracks.values():
-            try:
-                # A counter whose learned phase proves it cannot change before the next tick
-                # is not read: reads come at the last tick before each update and the first
-                # after it, which is what the phase and the edges need (about two reads per
-                # counter period instead of one per tick).
-                if track.tracker is not None and track.tracker.current(next_tick) is None:
+            # A counter whose learned phase proves it cannot change before the next tick is
+            # not read: reads come at the last tick before each update and the first after it,
+            # which is what the phase and the edges need (about two reads per counter period
+            # instead of one per tick). A counter read that fails leaves the power reading to
+            # be taken: a window whose end cannot read the counter is measured from them.
+            if track.tracker is not None and track.tracker.current(next_tick) is None:
+                try:
                     t_before = self.clock.now()
                     w0 = time.perf_counter()
                     value = track.gpu.energy_j()
                     track.read_costs.append(time.perf_counter() - w0)
                     track.read_cost = statistics.median(track.read_costs)
                     track.tracker.observe(self.clock.now(), value, t_before)
+                except Exception:  # noqa: BLE001 - a flaky read must not kill the sampler
+                    self.errors += 1
+            try:
                 t_before = self.clock.now()
                 p = track.gpu.power_w()
                 t = self.clock.now()
