@@ -445,3 +445,32 @@ def test_a_strong_prior_moves_the_posterior(variant: str) -> None:
             assert post["mean"] == pytest.approx(11.5, rel=0.02)
         else:
             assert post["mean"] > 20.0
+
+
+@pytest.mark.parametrize("variant", ["joules", "nsdi23"])
+def test_a_batch_size_that_fails_is_never_handed_out_again(variant: str) -> None:
+    """A batch size that runs out of memory, ended as aborted (all a client could say), was
+    handed out in every recurrence; failed, it is pruned, also after it once reached the target."""
+    policy = make_policy(config(variant))
+    _, state = drive(policy, 30)
+    assert policy.summary(state).explored[128] == "ok"
+    # 128 cannot run any more (a larger model, say): a client's trial of it fails.
+    state = policy.observe(state, TrialResult(128, TrialOutcome.FAILED, 0.0, epochs=0))
+    assert policy.summary(state).explored[128] == "failed" and 128 not in policy.summary(state).surviving
+    seen = []
+    for _ in range(200):
+        state, d = policy.next_trial(state)
+        seen.append(d.batch_size)
+        state = policy.observe(state, result(d.batch_size))
+    assert 128 not in seen and set(seen) <= {32, 64}
+    json.dumps(state)  # still a JSON state
+    # Failed before it ever ran: pruned like a batch size that cannot reach the target.
+    state = policy.initial_state()
+    state, d = policy.next_trial(state)
+    state = policy.observe(state, TrialResult(d.batch_size, TrialOutcome.FAILED, 0.0, epochs=0))
+    handed = []
+    for _ in range(30):
+        state, e = policy.next_trial(state)
+        handed.append(e.batch_size)
+        state = policy.observe(state, result(e.batch_size))
+    assert d.batch_size not in handed

@@ -119,10 +119,11 @@ def check_policy_consistent(view: DbView) -> None:
         assert view.state["started"] == len(view.trials) == view.job.trials_started
         assert view.state["observed"] + view.state["aborted"] == len(ended)
         assert view.state["outcomes"] == dict(view.outcomes())
-    else:  # joules' policy: one history row per non-aborted ending, in_flight = running trials
+    else:  # joules' policy: one history row per ending but aborted or failed, in_flight = running trials
         assert sorted(view.state["in_flight"]) == sorted(t.batch_size for t in running)
         history = Counter((b, o) for b, o, _, _ in view.state["history"])
-        assert history == Counter((t.batch_size, t.outcome) for t in ended if t.outcome != "aborted")
+        assert history == Counter((t.batch_size, t.outcome) for t in ended
+                                  if t.outcome not in ("aborted", "failed"))
     assert [t.seq for t in view.trials] == list(range(1, len(view.trials) + 1))
     for t in view.trials:
         rows = view.reports[t.id]

@@ -116,6 +116,31 @@ def test_joules_policy_runs_a_job(bso_server: Served) -> None:
     check_policy_consistent(view)
 
 
+def test_a_batch_size_that_cannot_train_is_ended_failed_and_not_handed_out_again(bso_server: Served) -> None:
+    """A batch size that runs out of memory before its first epoch could only be aborted (a
+    trial without epochs always was), and came back in every recurrence."""
+    body = spec(counting=False, default_batch_size=64)
+    with bso_server.client() as c:
+        job = register(c, body)
+        sizes = []
+        for _ in range(8):
+            t = c.post(f"/jobs/{job}/trials").json()
+            sizes.append(t["batch_size"])
+            if t["batch_size"] == 256:  # out of memory at once
+                end = c.post(f"/jobs/{job}/trials/{t['trial_id']}/end", json={"status": "failed"}).json()
+                assert (end["outcome"], end["epochs"]) == ("failed", 0)
+                continue
+            for e in range(1, body["max_epochs"] + 1):
+                a = report(c, job, t["trial_id"], e, metric=0.95 if e >= 2 else 0.5).json()
+                if a["stop"]:
+                    break
+            c.post(f"/jobs/{job}/trials/{t['trial_id']}/end")
+        state = c.get(f"/jobs/{job}").json()
+    assert sizes.count(256) == 1 and state["explored"]["256"] == "failed"
+    assert state["trials"]["failed"] == 1 and 256 not in state["surviving"]
+    check_policy_consistent(db_view(bso_server.db, job))
+
+
 def test_epoch_reports_are_idempotent_and_checked(bso_server: Served) -> None:
     with bso_server.client() as c:
         job = register(c, spec(max_epochs=3))

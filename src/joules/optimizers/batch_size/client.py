@@ -63,6 +63,7 @@ from joules.servers.batch_size.schemas import (
 from joules.servers.batch_size.settings import TOKEN_ENV
 
 log = logging.getLogger("joules.batch_size")
+_MAX_TIMEOUT_S = 86400.0  # a day
 
 _WINDOW = "joules.batch_size"
 # Retried: a request timeout (a proxy's), too early, too many requests, and server errors but
@@ -167,7 +168,7 @@ class BatchSizeOptimizer:
             of its fields. A dict without ``max_power_w`` gets the sum of the monitor's GPUs'
             highest power limits.
         token: Bearer token for the server (default: ``$JOULES_SERVER_TOKEN``, if set).
-        timeout_s: Timeout of each request (connect, read, write), s.
+        timeout_s: Timeout of each request (connect, read, write), s (at most a day).
         retries: Retries of a request that failed with a connection error, a timeout, a 5xx
             other than 501 (not implemented), or a 408, 425 or 429 answer (no other 4xx is
             retried).
@@ -204,8 +205,8 @@ class BatchSizeOptimizer:
         client_name: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= _MAX_TIMEOUT_S:  # (an infinite one overflows the socket's)
+            raise ValueError(f"timeout_s must be > 0 and at most {_MAX_TIMEOUT_S:g} s, got {timeout_s}")
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if not backoff_s >= 0:  # NaN too
@@ -260,7 +261,7 @@ class BatchSizeOptimizer:
         # each is sent again, with the same body, before anything else about the trial.
         self._unsent: list[EpochReport] = []
         # The status of an end request that failed: the next end (or new trial) sends it again.
-        self._end_pending: Literal["completed", "aborted"] | None = None
+        self._end_pending: Literal["completed", "aborted", "failed"] | None = None
         # The request id of a trial creation that failed (the server may have made the trial):
         # the next get_batch_size() sends it again, and gets that trial back if it was made.
         self._create_pending: str | None = None
@@ -379,15 +380,27 @@ class BatchSizeOptimizer:
         time and energy are lost (the server takes a repeated report once). If that earlier
         report's answer is to stop, this epoch is not reported and the answer is True.
 
+        A metric that is NaN or infinite means training diverged at this batch size: the trial
+        ends as failed (:meth:`fail`), the batch size is not tried again, and the answer is
+        True.
+
         Raises:
-            JoulesError: Training did not begin (no :meth:`on_train_begin` or step callbacks).
+            JoulesError: No trial (no :meth:`get_batch_size`), the trial has ended, or training
+                did not begin (no :meth:`on_train_begin` or step callbacks).
             TypeError: ``metric`` is not a number (a string, ``None``...).
-            ValueError: ``metric`` is NaN or infinite.
             ServerError: The report failed after every retry.
         """
-        if not self._began or self._ended or not self._window_open:
+        if self.trial is None:
+            raise JoulesError("on_evaluate() before get_batch_size(): there is no trial to report to")
+        if self._ended:
+            raise JoulesError("on_evaluate() after the trial ended (on_train_end(), abort() or fail())")
+        if not self._began or not self._window_open:
             raise JoulesError("on_evaluate() before on_train_begin(): there is no epoch to report")
-        _check_metric(metric)
+        if not _check_metric(metric):
+            log.warning("the metric is %s: training diverged at batch size %d, whose trial ends as "
+                        "failed (it is not tried again); stop training", metric, self.trial.batch_size)
+            self.fail()
+            return True
         if self.stop_reason is not None:  # the server ended the trial with that answer
             log.warning("on_evaluate() after the server said to stop (%s): not reported; stop training",
                         self.stop_reason)
@@ -415,6 +428,22 @@ class BatchSizeOptimizer:
         if self.trial is None or (self._ended and self._end_pending is None):
             return
         self._finish("completed")
+
+    def fail(self) -> None:
+        """End the trial as ``failed``: its batch size cannot train, and is not tried again.
+
+        For a batch size that runs out of memory, or whose training diverges (a NaN loss);
+        leaving a ``with`` block on an out-of-memory error, and a metric that is NaN or
+        infinite, end it so. (:meth:`abort`, by contrast, says nothing about the batch size:
+        it is handed out again.) The GPUs' limits are restored.
+
+        Raises:
+            ServerError: The server could not be told (the next :meth:`on_train_end`,
+                :meth:`abort`, :meth:`fail` or :meth:`get_batch_size` tries again).
+        """
+        if self.trial is None or (self._ended and self._end_pending is None):
+            return
+        self._finish("failed")
 
     def abort(self) -> None:
         """End the trial as ``aborted`` (it crashed or was cancelled; the server learns nothing).
@@ -449,10 +478,16 @@ class BatchSizeOptimizer:
         if exc_type is None:
             self.on_train_end()
             return
+        failed = _out_of_memory(exc)
         try:
-            self.abort()
+            if failed:
+                log.warning("batch size %s ran out of memory: its trial ends as failed (it is not "
+                            "tried again)", self.trial.batch_size if self.trial else "?")
+                self.fail()
+            else:
+                self.abort()
         except JoulesError as e:  # never hide the exception that ended training
-            log.warning("could not mark the trial aborted: %s", e)
+            log.warning("could not mark the trial %s: %s", "failed" if failed else "aborted", e)
 
     # -- internals ------------------------------------------------------------------------
     def _window_name(self) -> str:
@@ -508,7 +543,7 @@ class BatchSizeOptimizer:
         self._ended = True
         self._end_pending = "aborted" if trial.status == "running" else None
 
-    def _finish(self, status: Literal["completed", "aborted"]) -> None:
+    def _finish(self, status: Literal["completed", "aborted", "failed"]) -> None:
         assert self.trial is not None
         if self._ended:  # an end that failed: send the same request again
             self._send_end()
@@ -692,16 +727,24 @@ def _retryable(error: ServerError) -> bool:
     return error.status_code is None or error.status_code in _RETRY_STATUS
 
 
-def _check_metric(metric: object) -> None:
-    """Raise naming ``metric`` unless it is a finite number (``float(metric)`` works; not a string)."""
+def _check_metric(metric: object) -> bool:
+    """Whether ``metric`` is finite; raise naming it unless it is a number (not a string)."""
     if isinstance(metric, (str, bytes, bool)):
         raise TypeError(f"metric must be a number, got {type(metric).__name__} {metric!r}")
     try:
-        finite = math.isfinite(metric)  # type: ignore[arg-type]
+        return math.isfinite(metric)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"metric must be a number, got {type(metric).__name__} {metric!r}") from None
-    if not finite:
-        raise ValueError(f"metric must be finite, got {metric}")
+
+
+def _out_of_memory(error: BaseException | None) -> bool:
+    """Whether ``error`` is running out of memory (a GPU's, as PyTorch and JAX say it, or the host's)."""
+    if error is None:
+        return False
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True  # (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError)
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "resource_exhausted" in text)
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -211,6 +211,9 @@ class _BasePolicy(Policy):
         if outcome == TrialOutcome.ABORTED:
             self._aborted(state, bs)
             return state
+        if outcome == TrialOutcome.FAILED:  # (its cost says nothing about a whole run: not kept)
+            self._failed(state, bs)
+            return state
         if not (math.isfinite(result.cost) and result.cost >= 0):
             raise ValueError(f"trial cost must be finite and not negative, got {result.cost!r}")
         if not math.isfinite(result.epochs):
@@ -247,6 +250,10 @@ class _BasePolicy(Policy):
 
     def _aborted(self, state: PolicyState, bs: int) -> None:
         """Free what an aborted trial of ``bs`` held (already out of ``in_flight``)."""
+
+    def _failed(self, state: PolicyState, bs: int) -> None:
+        """Prune ``bs``, which cannot train (already out of ``in_flight``)."""
+        raise NotImplementedError
 
     def _view(self, state: PolicyState) -> tuple[str, dict[str, str], list[int]]:
         """Phase, exploration status per batch size, surviving batch sizes."""
@@ -354,6 +361,20 @@ class NSDI23Policy(_BasePolicy):
             rnd["status"][key] = state["explored"][key] = _OK if ok else _FAILED
             if ok:
                 rnd["costs"][key] = cost
+        self._advance(state)
+
+    def _failed(self, state: PolicyState, bs: int) -> None:
+        rnd = state["explore"]
+        key = str(bs)
+        state["explored"][key] = _FAILED
+        if rnd is not None:
+            rnd["status"][key] = _FAILED
+            rnd["costs"].pop(key, None)
+        surviving = state["surviving"]
+        if surviving and bs in surviving:
+            surviving.remove(bs)
+            if not surviving:  # every one failed: the default, as when none reached the target
+                surviving.append(self.config.default_batch_size)
         self._advance(state)
 
     def _aborted(self, state: PolicyState, bs: int) -> None:
@@ -639,6 +660,9 @@ class JoulesPolicy(_BasePolicy):
         key = str(bs)
         if state["status"].get(key) == _PENDING and bs not in state["in_flight"]:
             del state["status"][key]
+
+    def _failed(self, state: PolicyState, bs: int) -> None:
+        state["status"][str(bs)] = _FAILED  # (also one that reached the target before)
 
     def _view(self, state: PolicyState) -> tuple[str, dict[str, str], list[int]]:
         status = state["status"]

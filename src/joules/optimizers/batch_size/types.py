@@ -30,6 +30,7 @@ class TrialOutcome(StrEnum):
     MAX_EPOCHS = "max_epochs"  # max_epochs passed without reaching it
     EARLY_STOPPED = "early_stopped"  # its cost exceeded beta x the best cost so far
     ABORTED = "aborted"  # crashed or cancelled: says nothing about the batch size
+    FAILED = "failed"  # the batch size cannot train (out of memory, diverged): pruned
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ class Metrics:
         self.epoch_reports = Counter(
             f"{p}_epoch_reports", "Epoch reports: new, or repeated (a retry: counted once).", ["kind"],
             registry=r)
-        for outcome in ("reached", "max_epochs", "early_stopped", "aborted"):
+        for outcome in ("reached", "max_epochs", "early_stopped", "aborted", "failed"):
             self.trials_ended.labels(outcome)
         for kind in ("new", "repeated"):
             self.epoch_reports.labels(kind)

@@ -161,7 +161,7 @@ class TrialOut(_Model):
     phase: Literal["explore", "exploit"]
     stop_cost: float | None
     status: Literal["running", "ended"]
-    outcome: Literal["reached", "max_epochs", "early_stopped", "aborted"] | None = None
+    outcome: Literal["reached", "max_epochs", "early_stopped", "aborted", "failed"] | None = None
     epochs: int = 0
     time_s: float = 0.0
     energy_j: float = 0.0
@@ -189,9 +189,13 @@ class EpochAnswer(_Model):
 
 
 class TrialEnd(_Model):
-    """End a trial: ``completed`` (its epochs tell how) or ``aborted`` (crashed, cancelled)."""
+    """End a trial: ``completed`` (its epochs tell how), ``aborted`` or ``failed``.
 
-    status: Literal["completed", "aborted"] = "completed"
+    ``aborted``: crashed or cancelled, which says nothing about the batch size. ``failed``: the
+    batch size cannot train (it ran out of memory, or diverged); it is not tried again.
+    """
+
+    status: Literal["completed", "aborted", "failed"] = "completed"
 
 
 def token_problem(token: str) -> str | None:

@@ -26,7 +26,9 @@ it since its last report), else as ``max_epochs``: training ended without reachi
 target, as if ``max_epochs`` had been its last epoch. A trial with no epoch reported, or whose
 cost is not finite (stored before the schema had limits), ends as ``aborted`` either way:
 there is nothing to learn from it. ``aborted`` ends a running trial
-as ``aborted``; the policy sees every ending (:class:`TrialResult`). Ending a trial that has
+as ``aborted``; ``failed`` (the batch size cannot train: out of memory, diverged) as
+``failed``, which prunes the batch size whatever its epochs; the policy sees every ending
+(:class:`TrialResult`). Ending a trial that has
 already ended changes nothing and returns it.
 
 Expiry: a client that dies without ending its trial would leave it ``running`` forever, and
@@ -578,7 +580,9 @@ class BatchSizeService:
                 return self.trial_out(trial), False
             job = self._locked_job(s, job_id)
             spec = self._spec(job)
-            if request.status == "aborted" or trial.epochs == 0 or not math.isfinite(trial.cost):
+            if request.status == "failed":
+                outcome = TrialOutcome.FAILED
+            elif request.status == "aborted" or trial.epochs == 0 or not math.isfinite(trial.cost):
                 # A cost that is not finite (stored before the schema's limits) teaches nothing.
                 outcome = TrialOutcome.ABORTED
             else:
