@@ -479,7 +479,7 @@ def test_restore_fails_when_a_gpu_left_changed_is_out_of_reach(
     from joules.devices.base import DeviceSet, Problem
 
     nothing = DeviceSet(problems=[Problem("nvml", "the NVML library (libnvidia-ml.so.1) was not found"),
-                                  Problem("CPU", "no RAPL")])
+                                  Problem("CPU", "no RAPL"), Problem("GPU 0", "persistence mode is off")])
     monkeypatch.setattr(restore_cli, "discover", lambda: nothing)
     jdir = tmp_path / "journals"
     jdir.mkdir()
@@ -497,6 +497,11 @@ def test_restore_fails_when_a_gpu_left_changed_is_out_of_reach(
     out, err = capsys.readouterr()
     assert "not visible here" in out and "may be out of reach: nvml: the NVML library" in err
     assert (jdir / "job.json").exists()  # kept for a later run
+    # A GPU that is found, with a warning of its own, says nothing about one that is not.
+    monkeypatch.setattr(restore_cli, "discover", lambda: DeviceSet(problems=[
+        Problem("GPU 0", "persistence mode is off"), Problem("GPU 1", "Tesla P100 has no energy counter")]))
+    assert main(["restore", "--journal-dir", str(jdir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == []
 
 
 def test_ctrl_c_stops_a_shell_loop_of_measured_commands(tmp_path: Path) -> None:

@@ -237,3 +237,7 @@ def test_a_spawning_strategy_is_told_to_use_ddp() -> None:
     opt = PowerLimitOptimizer(EnergyMonitor(devices=sim.devices()), dry_run=True, handle_signals=False)
     with pytest.raises(TypeError, match=r"PowerLimitCallback cannot be sent to another.*strategy='ddp'"):
         pickle.dumps(PowerLimitCallback(opt))
+    import copy
+
+    callback = PowerLimitCallback(opt)
+    assert copy.copy(callback).optimizer is opt  # a shallow copy drives the same optimizer

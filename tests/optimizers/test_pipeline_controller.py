@@ -747,3 +747,23 @@ def test_a_controller_ending_inside_another_gives_the_clock_back_at_the_outer_on
         assert gpu.sm_clock_locked() == (1410.0, 1410.0)
         outer.on_instruction_end("backward", 0)
     assert gpu.sm_clock_locked() is None
+    # Three deep: the clock goes to the one that locked last, and the other locks again.
+    plans = [[{"computation": c, "microbatch": 0, "frequency": f} for c in ("forward", "backward")]
+             for f in (1410, 1200, 1005)]
+    with FrequencyController(gpu, plans[0], journal_dir=tmp_path) as a:
+        a.on_instruction_begin("forward", 0)
+        a.on_instruction_end("forward", 0)
+        with FrequencyController(gpu, plans[1], journal_dir=tmp_path) as b:
+            b.on_instruction_begin("forward", 0)
+            b.on_instruction_end("forward", 0)
+            with FrequencyController(gpu, plans[2], journal_dir=tmp_path) as c:
+                c.on_instruction_begin("forward", 0)
+                c.on_instruction_end("forward", 0)
+            assert gpu.sm_clock_locked() == (1200.0, 1200.0)
+            b.on_instruction_begin("backward", 0)
+            assert gpu.sm_clock_locked() == (1200.0, 1200.0)
+            b.on_instruction_end("backward", 0)
+        a.on_instruction_begin("backward", 0)
+        assert gpu.sm_clock_locked() == (1410.0, 1410.0)
+        a.on_instruction_end("backward", 0)
+    assert gpu.sm_clock_locked() is None

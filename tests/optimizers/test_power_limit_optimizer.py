@@ -955,3 +955,17 @@ def test_a_workload_changed_after_the_choice_is_profiled_again_and_not_saved(tmp
     before = {p.name: p.read_text() for p in (tmp_path / "profiles").rglob("*.json")}
     assert sorted(before) == saved  # the first profile is left as it was, none added
     assert sim.gpus[0].power_limit_w() == 400.0
+
+
+def test_a_workload_changed_between_runs_waits_for_the_next_one_to_set_a_limit(tmp_path) -> None:
+    """Called between two fit()s, it set the highest limit at once, over the limit on_train_end
+    had just put back, while nothing trained."""
+    sim, _, opt = make(selector="energy")
+    sim.gpus[0].set_power_limit_w(300.0)  # the site's own limit
+    train(sim, opt, epochs=2, steps=300)
+    assert opt.state is State.DONE and sim.gpus[0].power_limit_w() == 300.0
+    opt.workload_changed("the batch size will be 8 in the next fit()")
+    assert sim.gpus[0].power_limit_w() == 300.0 and opt.guard.changed == []
+    train(sim, opt, epochs=2, steps=600, limits_seen=(seen := []))
+    assert seen[0] == (opt.limits_w[0],)  # profiled again, from the highest limit
+    assert opt.state is State.DONE and sim.gpus[0].power_limit_w() == 300.0

@@ -9,9 +9,16 @@ from pathlib import Path
 import typer
 
 from joules.cli import SIM_HELP, print_out, use_sim
+from joules.devices.base import Problem
 from joules.devices.discovery import discover
 from joules.devices.restore import default_journal_dir, recover_report
 from joules.errors import JoulesError
+
+
+def _finding_failed(problem: Problem) -> bool:
+    """Whether ``problem`` says GPUs could not be found or opened (not a found GPU's own warning)."""
+    return (problem.device in ("nvml", "AMD") or problem.device.startswith("physical GPU")
+            or problem.message.startswith("cannot use physical GPU"))
 
 
 def register(app: typer.Typer) -> None:
@@ -42,7 +49,7 @@ def register(app: typer.Typer) -> None:
         ok = all(line.ok for line in lines)
         # A GPU a dead job left changed that cannot be reached because discovery failed (no
         # driver, NVML failing): not done, and the reasons said.
-        unreached = [f"{p.device}: {p.message}" for p in devices.problems if not p.device.startswith("CPU")
+        unreached = [f"{p.device}: {p.message}" for p in devices.problems if _finding_failed(p)
                      ] if any(x.kind == "kept" for x in lines) else []
         ok = ok and not unreached
         restored = sum(line.kind == "restored" for line in lines)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -184,6 +185,10 @@ def _journal_age(data: dict[str, Any], path: Path) -> tuple[float, int]:
 # key of its journal. _LOCK guards it and serializes, with the lock file of a journal
 # directory, the changes, restores and recoveries (see _directory_lock).
 _LOCK = threading.RLock()
+# Held around every SM clock lock through a guard and around a hand-over's re-lock (the last
+# lock taken, never held while waiting for another): a hand-over sees each guard's latest range.
+_CLOCK_LOCK = threading.RLock()
+_CLOCK_SEQ = itertools.count(1)
 _REGISTRY: dict[RestoreGuard, tuple[tuple[float, int], list[dict[str, Any]]]] = {}
 # Signals to guards that arrived while this thread was inside a guard's operation, handled at
 # its end (handlers run in the main thread only).
@@ -201,10 +206,11 @@ def _after_fork_in_child() -> None:
     Its copies of the parent's guards start empty: restoring through them, or a change, must
     not undo the parent's changes or take over (and then delete) the parent's journal.
     """
-    global _LOCK
+    global _LOCK, _CLOCK_LOCK
     for guard in list(_GUARDS):
         guard._forked()
     _LOCK = threading.RLock()
+    _CLOCK_LOCK = threading.RLock()
     _REGISTRY.clear()
     _PENDING_SIGNALS.clear()
     _busy.depth = 0
@@ -363,24 +369,36 @@ def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
     out = _PutBack()
     if sm_clock_locked:
         other = next((h for h in holders if h.sm_clock_locked), None)
-        # A guard of this process says which range it locked last: the clock goes back to it
-        # (it was at this guard's range), and that guard would otherwise take it for locked.
-        entry = other.guard._entries.get(gpu.control_uuid) if other is not None and other.guard else None
-        mhz = entry.sm_clock_range if entry is not None else None
-        if other is not None and mhz is not None:
-            try:
-                gpu.lock_sm_clock(*mhz)
-            except Exception as e:  # noqa: BLE001 - reported
-                out.failed.append(f"could not lock the SM clock at {mhz[0]:g}-{mhz[1]:g} MHz "
-                                  f"for {other.who}: {e}")
-                entry.sm_clock_range = None  # (that guard locks it again at its next change)
-            else:
-                message = (f"SM clock locked at {mhz[0]:g}-{mhz[1]:g} MHz for {other.who}, which "
-                           "locked it there and still runs")
-                out.done.append(message)
-                out.handed_over.append(message)
-            out.clock_done = True
-        elif other is not None:
+        with _CLOCK_LOCK:
+            # Guards of this process say which range they locked, and when: the clock goes back
+            # to the latest one's (it was at this guard's range), and every other one, which
+            # would take the clock for its own range, locks again at its next change.
+            mine = [(h, e) for h in holders if h.sm_clock_locked and h.guard is not None
+                    and (e := h.guard._entries.get(gpu.control_uuid)) is not None
+                    and e.sm_clock_range is not None]
+            latest = max(mine, key=lambda he: he[1].sm_clock_seq, default=None)
+            for _, e in mine:
+                if latest is None or e is not latest[1]:
+                    e.sm_clock_range = None
+            if latest is not None:
+                other, entry = latest
+                mhz = entry.sm_clock_range
+                assert mhz is not None
+                try:
+                    gpu.lock_sm_clock(*mhz)
+                except Exception as e:  # noqa: BLE001 - reported
+                    out.failed.append(f"could not lock the SM clock at {mhz[0]:g}-{mhz[1]:g} MHz "
+                                      f"for {other.who}: {e}")
+                    entry.sm_clock_range = None  # (that guard locks it again at its next change)
+                else:
+                    message = (f"SM clock locked at {mhz[0]:g}-{mhz[1]:g} MHz for {other.who}, which "
+                               "locked it there and still runs")
+                    out.done.append(message)
+                    out.handed_over.append(message)
+                out.clock_done = True
+        if out.clock_done:
+            pass  # (locked again at a guard's range, or that failed and is said)
+        elif other is not None:  # another process's guard: its range is not known here
             message = f"SM clock left locked for {other.who}, which locked it too and still runs"
             out.done.append(message)
             out.handed_over.append(message)
@@ -455,6 +473,7 @@ class _Entry:
         self.applied_at: float | None = None
         self.sm_clock_locked = False
         self.sm_clock_range: tuple[float, float] | None = None  # the range this guard locked last
+        self.sm_clock_seq = 0  # when (in the order of every guard's locks in this process)
 
     def empty(self) -> bool:
         return self.original_power_limit_w is None and not self.sm_clock_locked
@@ -660,14 +679,16 @@ class RestoreGuard:
                     self._write_journal()
                 self._register()
                 assert entry is not None
-                try:
-                    gpu.lock_sm_clock(min_mhz, max_mhz)
-                except (JoulesError, ValueError):
-                    if recorded:
-                        entry.sm_clock_locked = False
-                        self._forget(entry)
-                    raise
-                entry.sm_clock_range = (float(min_mhz), float(max_mhz))
+                with _CLOCK_LOCK:
+                    try:
+                        gpu.lock_sm_clock(min_mhz, max_mhz)
+                    except (JoulesError, ValueError):
+                        if recorded:
+                            entry.sm_clock_locked = False
+                            self._forget(entry)
+                        raise
+                    entry.sm_clock_range = (float(min_mhz), float(max_mhz))
+                    entry.sm_clock_seq = next(_CLOCK_SEQ)
 
     def restore(self, gpu: GPU | None = None) -> list[str]:
         """Put every changed GPU back (or only ``gpu``); idempotent.

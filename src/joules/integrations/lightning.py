@@ -78,6 +78,11 @@ class PowerLimitCallback(Callback):
         self._partial = False  # the batches of an epoch's last, partial accumulation cycle
         self._cycle_end = -1  # batch index that ends the current cycle
 
+    def __copy__(self) -> PowerLimitCallback:
+        new = self.__class__.__new__(self.__class__)  # (a shallow copy drives the same optimizer)
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __getstate__(self) -> dict[str, Any]:
         # The optimizer drives this process's GPUs (its monitor's sampler thread, its restore
         # guard): it cannot be sent to other processes, as ``ddp_spawn`` sends the trainer.

@@ -569,8 +569,13 @@ class PowerLimitOptimizer:
         self._outliers_seen = self._outliers_off = False
         self._chunk_s = None
         self.search = self._make_search()
-        self._ended = False
-        self._next_limit()
+        if self._ended:  # nothing trains now: the next on_train_begin sets the first limit
+            limit = self.search.next_limit()
+            assert limit is not None
+            self._acc = _Accumulator(limit, warm_target=self.warmup_steps)
+            self.state = State.WARMUP if self.warmup_steps > 0 else State.PROFILING
+        else:
+            self._next_limit()
 
     def on_train_end(self) -> None:
         """Training ended: put back the limits the GPUs had before.
