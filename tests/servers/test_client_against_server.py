@@ -9,6 +9,7 @@ policy must converge to it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -335,3 +336,44 @@ def test_abort_after_every_create_answer_was_lost_ends_the_trial_the_server_made
     assert state.trials == {"running": 0, "ended": 1, "aborted": 1}
     bso.close()
     monitor.close()
+
+
+_STOPPED_JOB = """
+import os, signal, sys
+from joules.devices.sim import Constant, Simulator
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.batch_size.client import BatchSizeOptimizer
+
+url, name, signum, state = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+sim = Simulator("A100", state_file=state)
+sim.set_workload(Constant(1.0), cpus=False)
+spec = {"name": name, "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
+        "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
+with BatchSizeOptimizer(EnergyMonitor(devices=sim.devices()), url, spec, token="test-token",
+                        power_limit={"warmup_steps": 2, "profile_steps": 5}) as bso:
+    bso.get_batch_size()
+    for step in range(1000):
+        bso.on_step_begin()
+        sim.run(0.1, 0.8)
+        bso.on_step_end()
+        if step == 10:
+            print("limit", sim.gpus[0].power_limit_w(), flush=True)
+            os.kill(os.getpid(), signum)  # the scheduler stops the job
+"""
+
+
+@pytest.mark.parametrize("signum", [15, 1])  # SIGTERM (scancel, an eviction), SIGHUP (a closed terminal)
+def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, tmp_path: Path):
+    """The process died of the signal outside the with block: its trial stayed running for a
+    day (its batch size in flight for the policy); the power limit was put back."""
+    state = tmp_path / "sim.json"
+    name = f"sim/signal-{signum}"
+    r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signum, r.stderr
+    assert float(r.stdout.split()[-1]) < 400.0  # stopped while profiling a lower limit
+    job = httpx.post(f"{server}/jobs", json=job_spec(name), headers={"Authorization": f"Bearer {TOKEN}"},
+                     timeout=10.0).json()
+    [trial] = get(server, f"/jobs/{job['job_id']}/trials")
+    assert (trial["status"], trial["outcome"]) == ("ended", "aborted")
+    assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 400.0  # put back

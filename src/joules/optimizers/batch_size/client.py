@@ -35,7 +35,9 @@ import logging
 import math
 import os
 import random
+import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -64,6 +66,7 @@ from joules.servers.batch_size.settings import TOKEN_ENV
 
 log = logging.getLogger("joules.batch_size")
 _MAX_TIMEOUT_S = 86400.0  # a day
+_END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 _WINDOW = "joules.batch_size"
 # Retried: a request timeout (a proxy's), too early, too many requests, and server errors but
@@ -242,6 +245,8 @@ class BatchSizeOptimizer:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=self.timeout_s,
                                   transport=transport)
+        self._transport = transport
+        self._signal_handlers: dict[int, Any] = {}  # signal -> the handler before ours
         self._sleep: Callable[[float], None] = time.sleep
 
         self.job: JobOut | None = None
@@ -328,6 +333,7 @@ class BatchSizeOptimizer:
         self._began = True
         self.monitor.begin_window(self._window_name())
         self._window_open = True
+        self._install_signal_handlers()
         try:
             self.power_limit_optimizer = self._make_power_limit_optimizer(self.trial.batch_size)
             if self.power_limit_optimizer is not None:
@@ -490,6 +496,56 @@ class BatchSizeOptimizer:
             log.warning("could not mark the trial %s: %s", "failed" if failed else "aborted", e)
 
     # -- internals ------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        """While a trial trains, SIGTERM and SIGHUP end it as aborted before the process ends.
+
+        A scheduler's stop (SLURM's ``scancel``, a Kubernetes eviction) or a closed terminal
+        ends the process without leaving the ``with`` block: the trial stayed running until it
+        expired (a day by default), its batch size in flight for the policy. Only where the
+        signal's handler was the default (the process ends of it): a program's own handler is
+        called instead. Main thread only; a SIGHUP that is ignored (``nohup``) stays so.
+        """
+        if self._signal_handlers or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in _END_SIGNALS:
+            try:
+                previous = signal.getsignal(signum)
+                if previous == signal.SIG_IGN:
+                    continue
+                signal.signal(signum, self._on_signal)
+            except (ValueError, OSError):
+                continue
+            self._signal_handlers[signum] = previous
+
+    def _uninstall_signal_handlers(self) -> None:
+        handlers, self._signal_handlers = self._signal_handlers, {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # (put back by the next call from the main thread, or left to chain)
+        for signum, previous in handlers.items():
+            try:
+                if signal.getsignal(signum) == self._on_signal:
+                    signal.signal(signum, previous)
+            except (ValueError, OSError):
+                pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        previous = self._signal_handlers.get(signum, signal.SIG_DFL)
+        self._uninstall_signal_handlers()
+        if callable(previous):  # the program's own handler decides what the signal does
+            previous(signum, frame)  # (an exception out of the with block aborts the trial)
+            return
+        trial = self.trial
+        if trial is not None and not self._ended:  # the process ends of the signal
+            self._ended = True
+            try:  # one short attempt, on a connection of its own (the handler may interrupt a request)
+                with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=2.0,
+                                  transport=self._transport) as http:
+                    http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+            except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
+                log.warning("could not mark the trial aborted as signal %d ends the process: %s", signum, e)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
     def _window_name(self) -> str:
         return f"{_WINDOW}.{id(self)}"
 
@@ -550,6 +606,7 @@ class BatchSizeOptimizer:
             return
         self._ended = True
         self._end_pending = status
+        self._uninstall_signal_handlers()
         if self._window_open:
             try:
                 self.monitor.cancel_window(self._window_name())
