@@ -1852,3 +1852,24 @@ def test_a_machine_name_with_a_comma_is_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("JOULES_HOST", "rack1,node7")
     with pytest.raises(InvalidSpecError, match="JOULES_HOST='rack1,node7': a host name cannot have a comma"):
         EnergyMonitor(sim="A100")
+
+
+@pytest.mark.parametrize("steps", [2, 4, 10])
+def test_windows_ending_in_a_periodic_load_keep_their_error_within_the_bound(steps: int) -> None:
+    """``joules demo``'s epochs (training steps, then an evaluation whose load alternates every
+    0.2 and 0.1 s): an end edge in a low phase extrapolated the high phase's reading, 15.5 J
+    off, with a bound of 13.5 J. The readings' spread forgot each low phase (a forgetting average
+    of the extremes) before the next; it is now the range of the last second's readings."""
+    sim, mon = setup("A100,nocpu", Constant(0.0), warm=0.0)
+    gpu = sim.gpus[0]
+    for epoch in range(5):
+        before = Truth(sim)
+        mon.begin_window(f"e{epoch}")
+        sim.set_workload(Constant(0.94))
+        for _ in range(steps):
+            sim.run(0.35, 0.8)
+        sim.set_workload(Periodic([(0.2, 0.55), (0.1, 0.1)]))
+        sim.advance(6.0)
+        d = mon.end_window(f"e{epoch}").gpu[0]
+        assert_bounded(d, Truth(sim).since(before)["gpu"][0], whole_range(gpu, 0.2), epoch)  # two edges
+    mon.close()

@@ -43,6 +43,8 @@ _UNKNOWN_PERIOD_BOUND_S = 0.1
 
 _GAP_INTERVALS = 10  # samples further apart than this many intervals, and than _GAP_MIN_S, leave a gap
 _GAP_MIN_S = 0.25  # (missed_s) even where no read failed: a thread held up that long
+_SPREAD_WINDOW_S = 1.0  # power_spread: the range of the readings of the last this many seconds ...
+_SPREAD_INTERVALS = 20  # ... and at least this many intervals
 
 
 class CounterTracker:
@@ -308,6 +310,10 @@ class _GPUTrack:
     last_p: float = math.nan
     recent_max: float = 0.0
     recent_min: float = math.inf
+    # The readings of the last _SPREAD_WINDOW_S whose later readings are all lower (higher):
+    # the window's highest (lowest) reading is the first one.
+    highs: deque[tuple[float, float]] = field(default_factory=deque)
+    lows: deque[tuple[float, float]] = field(default_factory=deque)
     sensor: CounterTracker | None = None  # update phase of the power reading
     # Wall-clock seconds of the latest energy-counter reads (what a read costs the caller),
     # and their median.
@@ -353,6 +359,7 @@ class PowerSampler:
             raise ValueError(f"sampling interval must be positive, got {interval_s}")
         self.interval_s = interval_s
         self._gap_s = max(_GAP_INTERVALS * interval_s, _GAP_MIN_S)  # a longer span between samples is a gap
+        self._spread_window_s = max(_SPREAD_WINDOW_S, _SPREAD_INTERVALS * interval_s)
         self.capacity = capacity
         self._tracks: dict[int, _GPUTrack] = {}
         for g in gpus:
@@ -487,9 +494,16 @@ class PowerSampler:
             track.powers[i] = p
             track.count += 1
             track.last_p = p
-            # Exponentially forgetting spread of recent readings, for uncertainty bounds.
-            track.recent_max = max(p, track.recent_max * 0.98 + p * 0.02)
-            track.recent_min = min(p, track.recent_min * 0.98 + p * 0.02)
+            # The spread of the readings of the last few seconds, for uncertainty bounds (a
+            # forgetting average of the extremes leaked: under a periodic load, each low phase
+            # was forgotten by the next, and an edge's bound fell short of the swing).
+            for extremes, beaten in ((track.highs, lambda q: q <= p), (track.lows, lambda q: q >= p)):
+                while extremes and beaten(extremes[-1][1]):
+                    extremes.pop()
+                extremes.append((t, p))
+                while extremes[0][0] < t - self._spread_window_s:
+                    extremes.popleft()
+            track.recent_max, track.recent_min = track.highs[0][1], track.lows[0][1]
 
     # -- queries (O(1)) ---------------------------------------------------------------------
     def missed_s(self, index: int, start: float, end: float, slack: float = 0.0) -> float:
