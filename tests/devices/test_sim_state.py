@@ -93,3 +93,34 @@ def test_processes_sharing_a_state_file_see_each_others_changes(tmp_path: Path) 
     a.set_workload(Constant(1.0))
     a.advance(1.0)
     assert a.gpus[0].true_power_w() == pytest.approx(250.0, rel=0.02)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_change_written_between_a_look_and_a_write_is_taken_up(tmp_path: Path, existing: bool) -> None:
+    """B looked at the file, A set 250 W, then B locked its clock: B's write kept A's limit in the
+    file, but B took the file as seen without taking the limit up (and, where the file was new,
+    wrote its own 400 W over it): B, then A, saw 400 W."""
+    state = tmp_path / "state.json"
+    if existing:
+        Simulator("A100", state_file=state).gpus[0].set_power_limit_w(400.0)
+    a = Simulator("A100", state_file=state).gpus[0]
+    b = Simulator("A100", state_file=state).gpus[0]
+    save_b = b.on_change
+
+    def a_writes_first(gpu: object) -> None:  # A's change lands as B is about to write
+        a.set_power_limit_w(250.0)
+        save_b(gpu)  # type: ignore[misc]
+
+    b.on_change = a_writes_first
+    b.lock_sm_clock(300, 900)
+    b.on_change = save_b
+    assert (b.power_limit_w(), b.sm_clock_locked()) == (250.0, (300.0, 900.0))
+    assert (a.power_limit_w(), a.sm_clock_locked()) == (250.0, (300.0, 900.0))
+
+
+def test_a_number_too_large_for_a_float_is_ignored(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    gpu = Simulator("A100", state_file=state).gpus[0]
+    gpu.set_power_limit_w(300.0)
+    state.write_text(state.read_text().replace("300.0", "1" + "0" * 400))
+    assert Simulator("A100", state_file=state).gpus[0].power_limit_w() == 400.0  # (the default)

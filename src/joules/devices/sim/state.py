@@ -101,6 +101,13 @@ class SimStateFile:
                 if key not in entry or value != known.get(key):
                     entry[key] = value
             known.update((k, entry[k]) for k in now)
+            # What another process changed since this one last looked is this GPU's setting too
+            # (the version written below is taken as seen: a refresh would not take it up).
+            others = {k: entry[k] for k in now if entry[k] != now[k]}
+            if others:
+                limit = _limit(entry) if "power_limit_w" in others else None
+                lock = _lock(entry) if "sm_clock_lock_mhz" in others else gpu._sm_lock
+                gpu.sync_control_state(limit, lock)
             gpus[str(gpu.index)] = entry
             text = json.dumps({"format": FORMAT, "gpus": dict(sorted(gpus.items()))}, indent=2)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
@@ -126,6 +133,8 @@ class SimStateFile:
             if entry is not None and entry.get("uuid") == gpu.uuid:
                 gpu.load_control_state(_limit(entry), _lock(entry))  # a malformed entry is ignored
                 self._known[str(gpu.index)] = {k: entry.get(k) for k in _SETTINGS}
+            else:  # none recorded: the GPU's own settings are what this process saw
+                self._known[str(gpu.index)] = self._settings(gpu)
             self._versions[gpu.index] = version
             gpu.on_change = self.save
             gpu.on_read = self.refresh
@@ -133,11 +142,19 @@ class SimStateFile:
 
 def _limit(entry: dict[str, Any]) -> float | None:
     limit = entry.get("power_limit_w")
-    return float(limit) if isinstance(limit, int | float) and not isinstance(limit, bool) else None
+    if not isinstance(limit, int | float) or isinstance(limit, bool):
+        return None
+    try:
+        return float(limit)
+    except OverflowError:  # (an integer too large for a float: malformed, ignored)
+        return None
 
 
 def _lock(entry: dict[str, Any]) -> tuple[float, float] | None:
     lock = entry.get("sm_clock_lock_mhz")
     valid = (isinstance(lock, list) and len(lock) == 2
              and all(isinstance(x, int | float) and not isinstance(x, bool) for x in lock))
-    return (float(lock[0]), float(lock[1])) if valid else None
+    try:
+        return (float(lock[0]), float(lock[1])) if valid else None
+    except OverflowError:
+        return None
