@@ -164,7 +164,13 @@ class _BasePolicy(Policy):
     def _checked(self, state: PolicyState) -> PolicyState:
         if state.get("version") != STATE_VERSION or state.get("variant") != self.config.variant:
             raise ValueError(f"state is not a version-{STATE_VERSION} {self.config.variant!r} policy state")
-        return copy.deepcopy(state)
+        # A copy, so that the caller's state is left as it was. The history's rows are never
+        # changed once appended: a copy of its list will do (copying them all made every call
+        # as slow as the history is long, and a run of N trials N-squared slow).
+        out = copy.deepcopy({k: v for k, v in state.items() if k != "history"})
+        if "history" in state:
+            out["history"] = list(state["history"])
+        return out
 
     def _best(self, state: PolicyState) -> tuple[int, float] | None:
         """The cheapest trial that reached the target: (batch size, cost).
