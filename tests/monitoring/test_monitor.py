@@ -1873,3 +1873,22 @@ def test_windows_ending_in_a_periodic_load_keep_their_error_within_the_bound(ste
         d = mon.end_window(f"e{epoch}").gpu[0]
         assert_bounded(d, Truth(sim).since(before)["gpu"][0], whole_range(gpu, 0.2), epoch)  # two edges
     mon.close()
+
+
+def test_a_sampled_window_longer_than_the_spread_window_keeps_its_begin_edges_bound() -> None:
+    """A P100 whose load dropped 250 W just after a window began, then held for 2 s: its spread
+    at the end (the last second's readings) was 0, and the bound 2 mJ against a 3.3 J error."""
+    worst = 0.0
+    for k in range(0, 50, 7):
+        sim, mon = setup("P100,nocpu", Constant(1.0), warm=3.0, sample_interval_s=0.05)
+        before = Truth(sim)
+        mon.begin_window("w")
+        sim.advance(0.001 * k)
+        sim.set_workload(Constant(0.0))
+        sim.advance(2.0)
+        d = mon.end_window("w").gpu[0]
+        true = Truth(sim).since(before)["gpu"][0]
+        assert_bounded(d, true, whole_range(sim.gpus[0], 0.15), k)
+        worst = max(worst, abs(d.energy_j - true))
+        mon.close()
+    assert worst > 1.0  # the begin edge's error is there to bound

@@ -784,7 +784,9 @@ class EnergyMonitor:
                 energy = self._power_now(g, end.t) * elapsed
                 source, corrected = Source.ESTIMATE, True
             interval = self.sampler.interval_s
-            spread = self.sampler.power_spread(g.index)
+            # (the spread around each edge: a change near the begin edge of a long window is
+            # no longer in the readings' recent spread when it ends)
+            spread = max(self.sampler.power_spread(g.index), self.sampler.spread_around(g.index, b.samples))
             # Edges fall up to one interval from a sample: power may differ by the spread
             # there, however short the window (a sample taken inside a short window
             # revises the power assumed at its begin edge). The end edge's latest reading

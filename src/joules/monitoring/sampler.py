@@ -310,6 +310,9 @@ class _GPUTrack:
     last_p: float = math.nan
     recent_max: float = 0.0
     recent_min: float = math.inf
+    # Forgetting averages of the extremes: the swings of longer cycles than the window's.
+    decayed_max: float = 0.0
+    decayed_min: float = math.inf
     # The readings of the last _SPREAD_WINDOW_S whose later readings are all lower (higher):
     # the window's highest (lowest) reading is the first one.
     highs: deque[tuple[float, float]] = field(default_factory=deque)
@@ -323,6 +326,13 @@ class _GPUTrack:
     # the integral assumed the later reading's power over them.
     gaps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=256))
     failing_since: float = math.nan  # reads have failed since this time (NaN: the latest worked)
+
+
+def _spread(track: _GPUTrack) -> float:
+    """The range of the last spread window's readings, or the swing of longer cycles, if wider."""
+    if not track.count:
+        return 0.0
+    return max(0.0, track.recent_max - track.recent_min, track.decayed_max - track.decayed_min)
 
 
 class PowerSampler:
@@ -504,6 +514,11 @@ class PowerSampler:
                 while extremes[0][0] < t - self._spread_window_s:
                     extremes.popleft()
             track.recent_max, track.recent_min = track.highs[0][1], track.lows[0][1]
+            # ... and, beside it, how the power swung over longer cycles (a forgetting average of
+            # the extremes, decaying 2 % a reading): a load that alternates every few seconds
+            # may swing again at the next edge, though the last second was steady.
+            track.decayed_max = max(p, track.decayed_max * 0.98 + p * 0.02)
+            track.decayed_min = min(p, track.decayed_min * 0.98 + p * 0.02)
 
     # -- queries (O(1)) ---------------------------------------------------------------------
     def missed_s(self, index: int, start: float, end: float, slack: float = 0.0) -> float:
@@ -585,15 +600,32 @@ class PowerSampler:
 
     def power_spread(self, index: int) -> float:
         """Recent spread (max - min) of GPU ``index``'s power readings, W."""
+        return _spread(self._tracks[index])
+
+    def spread_around(self, index: int, sample: int) -> float:
+        """Spread of GPU ``index``'s readings around its ``sample``-th: a spread window's worth each side, W.
+
+        What :meth:`power_spread` said near that sample, looked at afterwards (a window's begin
+        edge, once the window ends), and with the readings that followed it. Retained readings
+        only; 0 where none is.
+        """
         track = self._tracks[index]
-        return max(0.0, track.recent_max - track.recent_min) if track.count else 0.0
+        span = max(1, math.ceil(self._spread_window_s / self.interval_s))
+        with self._lock:
+            first = max(sample - span, track.count - self.capacity, 0)
+            last = min(sample + span, track.count)
+            if last <= first:
+                return 0.0
+            idx = np.arange(first, last) % self.capacity
+            values = track.powers[idx]
+            return float(values.max() - values.min())
 
     def edge_state(self, index: int) -> tuple[int, float, float]:
         """``(sample count, latest power W, recent power spread W)`` of GPU ``index`` at once."""
         track = self._tracks[index]
         if not track.count:
             self.sample_now(index)
-        return track.count, track.last_p, max(0.0, track.recent_max - track.recent_min)
+        return track.count, track.last_p, _spread(track)
 
     def sample_count(self, index: int) -> int:
         """Number of samples of GPU ``index`` taken so far."""
