@@ -944,3 +944,62 @@ def test_abort_after_a_lost_create_tries_once_and_keeps_the_request_id(caplog):
     assert list(server.trials) == ["t1"] and bso.trial is not None and bso.trial.trial_id == "t1"
     creates = server.bodies("POST", "/trials")
     assert all(c == creates[0] for c in creates)
+
+
+def test_a_programs_own_sigterm_handler_is_kept_after_a_trial_with_the_power_limit_search():
+    """The client's handler, put back by the power-limit search's restore guard after the client
+    had taken its own out, stayed installed holding nothing: the program's handler (a graceful
+    shutdown) was never called again, and SIGTERM killed the process."""
+    import signal
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        server = FakeServer()
+        sim, monitor = make_sim()
+        bso, _ = make_client(monitor, server, power_limit={**FAST_PL, "handle_signals": True})
+        with bso:
+            bso.get_batch_size()
+            bso.on_train_begin()
+            for _ in range(3):
+                bso.on_step_begin()
+                sim.run(WORK_S, CF)
+                bso.on_step_end()
+            signal.raise_signal(signal.SIGTERM)  # while training: the program's handler decides
+            assert got == [signal.SIGTERM] and server.trials["t1"]["status"] == "running"
+            assert bso.on_evaluate(0.95) is True
+        signal.raise_signal(signal.SIGTERM)  # after the trial: still the program's handler
+        assert got == [signal.SIGTERM, signal.SIGTERM]
+        assert server.trials["t1"]["outcome"] != "aborted"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class ServerBeforeFailed(FakeServer):
+    """A server of a joules before trials could fail: ``{"status": "failed"}`` is a 422."""
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        status = json.loads(request.content or b"{}").get("status")
+        if request.url.path.endswith("/end") and status == "failed":
+            detail = "body.status: Input should be 'completed' or 'aborted'"
+            return httpx.Response(422, json={"detail": detail})
+        return super().handle(request)
+
+
+def test_a_server_that_does_not_know_failed_trials_gets_them_aborted():
+    """Such a server refused the end: the trial stayed running for a day, and a NaN metric
+    made on_evaluate raise instead of saying stop."""
+    server = ServerBeforeFailed()
+    sim, monitor = make_sim()
+    bso, _ = make_client(monitor, server, power_limit=False)
+    bso.get_batch_size()
+    bso.on_train_begin()
+    sim.run(WORK_S, CF)
+    assert bso.on_evaluate(math.inf) is True
+    assert server.bodies("POST", "/end") == [{"status": "failed"}, {"status": "aborted"}]
+    assert server.trials["t1"]["outcome"] == "aborted"
+    with pytest.raises(RuntimeError), bso:  # running out of memory, the same
+        bso.get_batch_size()
+        bso.on_train_begin()
+        raise RuntimeError("CUDA out of memory")
+    assert server.trials["t2"]["outcome"] == "aborted"

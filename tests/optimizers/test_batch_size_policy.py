@@ -474,3 +474,39 @@ def test_a_batch_size_that_fails_is_never_handed_out_again(variant: str) -> None
         handed.append(e.batch_size)
         state = policy.observe(state, result(e.batch_size))
     assert d.batch_size not in handed
+
+
+@pytest.mark.parametrize("variant", ["joules", "nsdi23"])
+def test_no_fallback_hands_out_a_batch_size_that_failed(variant: str) -> None:
+    """With nothing that reached the target, both policies fell back to the default (or the
+    round's start, or the best batch size so far) even where it had failed: every recurrence
+    got the batch size that crashed, and concurrent trials got it while others explored."""
+    policy = make_policy(config(variant, batch_sizes=(16, 32, 64), default_batch_size=32))
+    outcomes = {32: TrialOutcome.FAILED, 64: TrialOutcome.FAILED, 16: M}
+    state = policy.initial_state()
+    handed = []
+    for _ in range(8):  # one trial at a time
+        state, d = policy.next_trial(state)
+        handed.append(d.batch_size)
+        state = policy.observe(state, TrialResult(d.batch_size, outcomes[d.batch_size], 50.0, epochs=3))
+    assert handed.count(32) == 1 and handed.count(64) == 1 and handed[-4:] == [16] * 4
+    # Concurrent trials: the default fails while the others are in flight.
+    state = policy.initial_state()
+    state, first = policy.next_trial(state)
+    assert first.batch_size == 32
+    state = policy.observe(state, TrialResult(32, TrialOutcome.FAILED, 0.0, epochs=0))
+    extra = []
+    for _ in range(5):
+        state, d = policy.next_trial(state)
+        extra.append(d.batch_size)
+    assert 32 not in extra
+    # The best batch size so far fails: it is no longer the best, nor the stop cost's ground.
+    _, state = drive(make_policy(config(variant)), 30)
+    assert policy_best(variant, state) == 32
+    state = make_policy(config(variant)).observe(state, TrialResult(32, TrialOutcome.FAILED, 0.0, epochs=0))
+    summary = make_policy(config(variant)).summary(state)
+    assert summary.best_batch_size == 64 and make_policy(config(variant)).stop_cost(state) == 2 * 11.0
+
+
+def policy_best(variant: str, state: PolicyState) -> int | None:
+    return make_policy(config(variant)).summary(state).best_batch_size

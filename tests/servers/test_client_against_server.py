@@ -344,36 +344,84 @@ from joules.devices.sim import Constant, Simulator
 from joules.monitoring.monitor import EnergyMonitor
 from joules.optimizers.batch_size.client import BatchSizeOptimizer
 
-url, name, signum, state = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+url, name, signum, state, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 sim = Simulator("A100", state_file=state)
+sim.set_workload(Constant(1.0), cpus=False)
+monitor = EnergyMonitor(devices=sim.devices())
+for job in range(jobs):  # (a sweep: one client after the other in one process)
+    spec = {"name": f"{name}/{job}", "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
+            "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
+    with BatchSizeOptimizer(monitor, url, spec, token="test-token",
+                            power_limit={"warmup_steps": 2, "profile_steps": 5}) as bso:
+        bso.get_batch_size()
+        for step in range(1000):
+            bso.on_step_begin()
+            sim.run(0.1, 0.8)
+            bso.on_step_end()
+            if step == 10 and job == jobs - 1:
+                print("limit", sim.gpus[0].power_limit_w(), flush=True)
+                os.kill(os.getpid(), signum)  # the scheduler stops the job
+            if step % 20 == 19 and bso.on_evaluate(1.0):
+                break
+"""
+
+
+@pytest.mark.parametrize(("signum", "jobs"), [(15, 1), (1, 1), (15, 2)])  # SIGTERM, SIGHUP; a sweep
+def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, jobs: int, tmp_path: Path):
+    """The process died of the signal outside the with block: its trial stayed running for a
+    day (its batch size in flight for the policy); the power limit was put back. In a sweep, the
+    second client's trial stayed running (it took the first client's handler for the program's)."""
+    state = tmp_path / "sim.json"
+    name = f"sim/signal-{signum}-{jobs}"
+    r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state), str(jobs)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signum, r.stderr
+    assert float(r.stdout.split()[-1]) < 400.0  # stopped while profiling a lower limit
+    for k in range(jobs):
+        job = httpx.post(f"{server}/jobs", json=job_spec(f"{name}/{k}"),
+                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10.0).json()
+        [trial] = get(server, f"/jobs/{job['job_id']}/trials")
+        assert (trial["status"], trial["outcome"]) == ("ended", "reached" if k < jobs - 1 else "aborted")
+    assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 400.0  # put back
+
+
+_FORKING_JOB = """
+import os, signal, sys, time
+from joules.devices.sim import Constant, Simulator
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.batch_size.client import BatchSizeOptimizer
+
+url, name = sys.argv[1], sys.argv[2]
+sim = Simulator("A100")
 sim.set_workload(Constant(1.0), cpus=False)
 spec = {"name": name, "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
         "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
 with BatchSizeOptimizer(EnergyMonitor(devices=sim.devices()), url, spec, token="test-token",
-                        power_limit={"warmup_steps": 2, "profile_steps": 5}) as bso:
+                        power_limit=False) as bso:
     bso.get_batch_size()
-    for step in range(1000):
+    for step in range(20):
         bso.on_step_begin()
         sim.run(0.1, 0.8)
         bso.on_step_end()
-        if step == 10:
-            print("limit", sim.gpus[0].power_limit_w(), flush=True)
-            os.kill(os.getpid(), signum)  # the scheduler stops the job
+    pid = os.fork()  # a helper process (a data loader's worker, say), stopped with SIGTERM
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    os.kill(pid, signal.SIGTERM)
+    print("helper", os.waitpid(pid, 0)[1], flush=True)
+    print("stop", bso.on_evaluate(1.0), flush=True)
 """
 
 
-@pytest.mark.parametrize("signum", [15, 1])  # SIGTERM (scancel, an eviction), SIGHUP (a closed terminal)
-def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, tmp_path: Path):
-    """The process died of the signal outside the with block: its trial stayed running for a
-    day (its batch size in flight for the policy); the power limit was put back."""
-    state = tmp_path / "sim.json"
-    name = f"sim/signal-{signum}"
-    r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == -signum, r.stderr
-    assert float(r.stdout.split()[-1]) < 400.0  # stopped while profiling a lower limit
+def test_a_forked_helper_stopped_by_sigterm_leaves_the_parents_trial_alone(server: str):
+    """A forked child inherited the handler and, stopped, ended the parent's trial as aborted:
+    the parent's next report got 409."""
+    name = "sim/forked-helper"
+    r = subprocess.run([sys.executable, "-c", _FORKING_JOB, server, name], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "stop True" in r.stdout
     job = httpx.post(f"{server}/jobs", json=job_spec(name), headers={"Authorization": f"Bearer {TOKEN}"},
                      timeout=10.0).json()
     [trial] = get(server, f"/jobs/{job['job_id']}/trials")
-    assert (trial["status"], trial["outcome"]) == ("ended", "aborted")
-    assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 400.0  # put back
+    assert (trial["status"], trial["outcome"]) == ("ended", "reached")

@@ -40,6 +40,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -67,6 +68,53 @@ from joules.servers.batch_size.settings import TOKEN_ENV
 log = logging.getLogger("joules.batch_size")
 _MAX_TIMEOUT_S = 86400.0  # a day
 _END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+# The clients of this process whose trial trains, and the handlers _on_end_signal took over.
+_TRAINING: weakref.WeakSet[BatchSizeOptimizer] = weakref.WeakSet()
+_PREVIOUS: dict[int, Any] = {}
+_INSTALLED_BY: list[int] = []  # the process that installed them (a forked child is not it)
+
+
+def _install_end_signal_handlers() -> None:
+    """Install :func:`_on_end_signal` for SIGTERM and SIGHUP, once per process (main thread only).
+
+    It stays installed, doing nothing but pass the signal on while no trial trains: taking it
+    out again would break the chain of handlers installed on top of it since (a restore
+    guard's, say), which would then call it anyway.
+    """
+    if _INSTALLED_BY == [os.getpid()] or threading.current_thread() is not threading.main_thread():
+        return
+    _INSTALLED_BY[:] = [os.getpid()]
+    _PREVIOUS.clear()
+    for signum in _END_SIGNALS:
+        try:
+            previous = signal.getsignal(signum)
+            if previous == signal.SIG_IGN:
+                continue  # (under nohup a hang-up ends nothing)
+            signal.signal(signum, _on_end_signal)
+        except (ValueError, OSError):
+            continue
+        _PREVIOUS[signum] = previous
+
+
+def _on_end_signal(signum: int, frame: Any) -> None:
+    """End the trials training in this process as aborted, where the signal ends the process.
+
+    Only where the handler it took over is the default (the process then ends of the signal,
+    as it would have): a program's own handler is called instead, and decides (an exception
+    out of the ``with`` block aborts the trial as usual). In a forked child, the parent's
+    trials are not the child's to end.
+    """
+    previous = _PREVIOUS.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    if _INSTALLED_BY == [os.getpid()]:
+        for client in list(_TRAINING):
+            client._abort_at_exit(signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 _WINDOW = "joules.batch_size"
 # Retried: a request timeout (a proxy's), too early, too many requests, and server errors but
@@ -246,7 +294,6 @@ class BatchSizeOptimizer:
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=self.timeout_s,
                                   transport=transport)
         self._transport = transport
-        self._signal_handlers: dict[int, Any] = {}  # signal -> the handler before ours
         self._sleep: Callable[[float], None] = time.sleep
 
         self.job: JobOut | None = None
@@ -405,7 +452,10 @@ class BatchSizeOptimizer:
         if not _check_metric(metric):
             log.warning("the metric is %s: training diverged at batch size %d, whose trial ends as "
                         "failed (it is not tried again); stop training", metric, self.trial.batch_size)
-            self.fail()
+            try:
+                self.fail()
+            except ServerError as e:  # (sent again by the next end, or get_batch_size)
+                log.warning("could not tell the server the trial failed: %s", e)
             return True
         if self.stop_reason is not None:  # the server ended the trial with that answer
             log.warning("on_evaluate() after the server said to stop (%s): not reported; stop training",
@@ -501,50 +551,27 @@ class BatchSizeOptimizer:
 
         A scheduler's stop (SLURM's ``scancel``, a Kubernetes eviction) or a closed terminal
         ends the process without leaving the ``with`` block: the trial stayed running until it
-        expired (a day by default), its batch size in flight for the policy. Only where the
-        signal's handler was the default (the process ends of it): a program's own handler is
-        called instead. Main thread only; a SIGHUP that is ignored (``nohup``) stays so.
+        expired (a day by default), its batch size in flight for the policy. See
+        :func:`_on_end_signal`.
         """
-        if self._signal_handlers or threading.current_thread() is not threading.main_thread():
-            return
-        for signum in _END_SIGNALS:
-            try:
-                previous = signal.getsignal(signum)
-                if previous == signal.SIG_IGN:
-                    continue
-                signal.signal(signum, self._on_signal)
-            except (ValueError, OSError):
-                continue
-            self._signal_handlers[signum] = previous
+        _TRAINING.add(self)
+        _install_end_signal_handlers()
 
     def _uninstall_signal_handlers(self) -> None:
-        handlers, self._signal_handlers = self._signal_handlers, {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # (put back by the next call from the main thread, or left to chain)
-        for signum, previous in handlers.items():
-            try:
-                if signal.getsignal(signum) == self._on_signal:
-                    signal.signal(signum, previous)
-            except (ValueError, OSError):
-                pass
+        _TRAINING.discard(self)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        previous = self._signal_handlers.get(signum, signal.SIG_DFL)
-        self._uninstall_signal_handlers()
-        if callable(previous):  # the program's own handler decides what the signal does
-            previous(signum, frame)  # (an exception out of the with block aborts the trial)
-            return
+    def _abort_at_exit(self, signum: int) -> None:
+        """End the running trial as aborted: one short request, on a connection of its own."""
         trial = self.trial
-        if trial is not None and not self._ended:  # the process ends of the signal
-            self._ended = True
-            try:  # one short attempt, on a connection of its own (the handler may interrupt a request)
-                with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=2.0,
-                                  transport=self._transport) as http:
-                    http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
-            except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
-                log.warning("could not mark the trial aborted as signal %d ends the process: %s", signum, e)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        if trial is None or self._ended:
+            return
+        self._ended = True
+        try:  # (the signal may have interrupted a request on the client's own connection)
+            with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=2.0,
+                              transport=self._transport) as http:
+                http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+        except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
+            log.warning("could not mark the trial aborted as signal %d ends the process: %s", signum, e)
 
     def _window_name(self) -> str:
         return f"{_WINDOW}.{id(self)}"
@@ -636,6 +663,13 @@ class BatchSizeOptimizer:
             out = self._call("POST", f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", TrialOut,
                              TrialEnd(status=status), what=f"end the trial ({status})")
         except ServerError as e:
+            if status == "failed" and e.status_code == 422:  # a server older than "failed"
+                log.warning("the server does not know trials that fail (an older joules serve): the "
+                            "trial of batch size %d ends as aborted, and may be handed out again",
+                            trial.batch_size)
+                self._end_pending = "aborted"
+                self._send_end()
+                return
             if not _retryable(e):  # e.g. 404: asking again cannot help
                 self._end_pending = None
                 self._unsent = []

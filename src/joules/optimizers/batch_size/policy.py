@@ -155,6 +155,7 @@ class _BasePolicy(Policy):
             "rng": _rng_state(rng),
             "history": [],  # [batch size, outcome, cost, epochs] of every observed trial, oldest first
             "in_flight": [],  # batch sizes handed out and not yet observed
+            "unusable": [],  # batch sizes whose trial failed: they cannot train (never handed out)
             **self._initial(),
         }
 
@@ -181,13 +182,26 @@ class _BasePolicy(Policy):
         best: tuple[int, float] | None = None
         w = self.config.window_size
         seen: dict[int, int] = {}
+        unusable = set(state.get("unusable", ()))  # (one that cannot train any more is not the best)
         for b, outcome, cost, _ in reversed(state["history"]):
             seen[b] = seen.get(b, 0) + 1
-            if w and seen[b] > w:
+            if (w and seen[b] > w) or b in unusable:
                 continue
             if outcome == TrialOutcome.REACHED and (best is None or cost < best[1]):
                 best = (b, cost)
         return best
+
+    def _fallback(self, state: PolicyState) -> int:
+        """The batch size to hand out when the policy has none: the default, unless it cannot train.
+
+        Then the one nearest to it (in log batch size) that can, if any.
+        """
+        default = self.config.default_batch_size
+        unusable = set(state.get("unusable", ()))
+        usable = [b for b in self.batch_sizes if b not in unusable]
+        if default not in unusable or not usable:
+            return default
+        return min(usable, key=lambda b: (abs(math.log(b / default)), b))
 
     def _window(self, state: PolicyState, bs: int) -> list[float]:
         """The last ``window_size`` costs of ``bs`` (all of them for 0), oldest first."""
@@ -218,6 +232,9 @@ class _BasePolicy(Policy):
             self._aborted(state, bs)
             return state
         if outcome == TrialOutcome.FAILED:  # (its cost says nothing about a whole run: not kept)
+            unusable = state.setdefault("unusable", [])
+            if bs not in unusable:
+                unusable.append(bs)
             self._failed(state, bs)
             return state
         if not (math.isfinite(result.cost) and result.cost >= 0):
@@ -342,7 +359,7 @@ class NSDI23Policy(_BasePolicy):
             state["explore"] = None
             if not good:  # every candidate of the round failed: keep the cheapest that ever reached it
                 best = self._best(state)
-                good = [best[0] if best else self.config.default_batch_size]
+                good = [best[0] if best else self._fallback(state)]
             state["surviving"] = good
 
     def _choose(self, state: PolicyState, rng: np.random.Generator) -> tuple[int, str]:
@@ -357,7 +374,10 @@ class NSDI23Policy(_BasePolicy):
                 state["explored"][str(free)] = _PENDING
                 return free, "explore"
         best = self._best(state)
-        return (best[0] if best else rnd["start"]), "explore"
+        if best is not None:
+            return best[0], "explore"
+        start = rnd["start"]
+        return (start if start not in state.get("unusable", ()) else self._fallback(state)), "explore"
 
     def _learn(self, state: PolicyState, bs: int, outcome: TrialOutcome, cost: float) -> None:
         rnd = state["explore"]
@@ -379,8 +399,8 @@ class NSDI23Policy(_BasePolicy):
         surviving = state["surviving"]
         if surviving and bs in surviving:
             surviving.remove(bs)
-            if not surviving:  # every one failed: the default, as when none reached the target
-                surviving.append(self.config.default_batch_size)
+            if not surviving:  # every one failed: as when none reached the target
+                surviving.append(self._fallback(state))
         self._advance(state)
 
     def _aborted(self, state: PolicyState, bs: int) -> None:
@@ -646,8 +666,8 @@ class JoulesPolicy(_BasePolicy):
             state["status"][str(free)] = _PENDING
             return free, "explore"
         arms = self._arms(state)
-        if not arms:  # nothing reached the target yet: the default, whose trial may be in flight
-            return self.config.default_batch_size, "explore"
+        if not arms:  # nothing reached the target yet: the default (whose trial may be in flight)
+            return self._fallback(state), "explore"
         fit = self._fit(state, arms)
         noise = fit.noise_dof * fit.noise_scale / float(rng.chisquare(fit.noise_dof))
         prior = self._prior()

@@ -435,7 +435,11 @@ def create_app(
     @app.post("/jobs/{job_id}/trials/{trial_id}/end", response_model=TrialOut, dependencies=auth,
               tags=["trials"], responses={**TRIAL_NOT_FOUND, **UNAUTHORIZED, **UNAVAILABLE})
     def end_trial(request: TrialEnd | None = None, job_id: str = JobId, trial_id: str = TrialId) -> TrialOut:
-        """End a trial: ``completed`` (its reports tell how) or ``aborted``; again: no change."""
+        """End a trial: ``completed`` (its reports tell how), ``aborted`` or ``failed``; again: no change.
+
+        ``aborted``: it crashed, which says nothing about the batch size. ``failed``: the batch size
+        cannot train (out of memory, diverged), and is pruned.
+        """
         trial, ended = service.end_trial(job_id, trial_id, request or TrialEnd())
         if ended and trial.outcome is not None:
             metrics.trials_ended.labels(trial.outcome).inc()
