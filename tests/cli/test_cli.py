@@ -497,6 +497,10 @@ def test_restore_fails_when_a_gpu_left_changed_is_out_of_reach(
     out, err = capsys.readouterr()
     assert "not visible here" in out and "may be out of reach: nvml: the NVML library" in err
     assert (jdir / "job.json").exists()  # kept for a later run
+    monkeypatch.setattr(restore_cli, "discover", lambda: DeviceSet(problems=[
+        Problem("GPU 0", "AMD GPU 0 could not be opened: amdsmi error 10")]))
+    assert main(["restore", "--journal-dir", str(jdir), "--json"]) == 1  # an AMD GPU that cannot be opened
+    capsys.readouterr()
     # A GPU that is found, with a warning of its own, says nothing about one that is not.
     monkeypatch.setattr(restore_cli, "discover", lambda: DeviceSet(problems=[
         Problem("GPU 0", "persistence mode is off"), Problem("GPU 1", "Tesla P100 has no energy counter")]))

@@ -124,3 +124,22 @@ def test_a_number_too_large_for_a_float_is_ignored(tmp_path: Path) -> None:
     gpu.set_power_limit_w(300.0)
     state.write_text(state.read_text().replace("300.0", "1" + "0" * 400))
     assert Simulator("A100", state_file=state).gpus[0].power_limit_w() == 400.0  # (the default)
+
+
+def test_a_setting_set_again_to_the_value_last_seen_is_recorded(tmp_path: Path) -> None:
+    """A looked at the file (300 W), B set 250 W, then A set 300 W again: A's set, the last,
+    was taken for no change, and the file (and A) kept B's 250 W."""
+    state = tmp_path / "state.json"
+    a = Simulator("A100", state_file=state).gpus[0]
+    a.set_power_limit_w(300.0)
+    b = Simulator("A100", state_file=state).gpus[0]
+    refresh_a = a.on_read
+
+    def b_writes_after_a_looked(gpu: object) -> None:
+        refresh_a(gpu)  # type: ignore[misc]
+        b.set_power_limit_w(250.0)
+
+    a.on_read = b_writes_after_a_looked
+    a.set_power_limit_w(300.0)
+    a.on_read = refresh_a
+    assert a.power_limit_w() == b.power_limit_w() == 300.0

@@ -410,3 +410,7 @@ def test_devices_left_out_by_ranks_are_named_once_and_only_if_no_rank_measured_t
     assert total.cpu_energy_j == {0: 950.0} and total.total_energy_j == 1950.0
     assert total.missing == ("n1/3/gpu0", "n1/4/gpu0", "n1/dram0")
     assert combine([total]).missing == total.missing  # combined again: as they are
+    # Subgroups' totals combined: a package one subgroup could not read and the other measured.
+    unread = combine([replace(meas("n1", {}), missing=("cpu0",))])
+    assert unread.missing == ("n1/cpu0",)
+    assert combine([unread, combine([r0])]).missing == ()

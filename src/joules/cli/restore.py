@@ -18,7 +18,8 @@ from joules.errors import JoulesError
 def _finding_failed(problem: Problem) -> bool:
     """Whether ``problem`` says GPUs could not be found or opened (not a found GPU's own warning)."""
     return (problem.device in ("nvml", "AMD") or problem.device.startswith("physical GPU")
-            or problem.message.startswith("cannot use physical GPU"))
+            or problem.message.startswith("cannot use physical GPU")
+            or "could not be opened" in problem.message)  # (amdsmi)
 
 
 def register(app: typer.Typer) -> None:

@@ -189,8 +189,9 @@ def _missing(items: Sequence[Measurement], cpu: _Zone, dram: _Zone) -> tuple[str
     out: dict[str, None] = {}
     for i, m in enumerate(items):
         for x in m.missing:
-            if x.count("/") >= 1:  # from a measurement combined already
-                out[x] = None
+            if "/" in x:  # from a measurement combined already
+                if x not in measured:
+                    out[x] = None
             elif x.startswith("gpu"):
                 out[f"{m.host}/{i}/{x}"] = None
             elif f"{m.host}/{x}" not in measured:

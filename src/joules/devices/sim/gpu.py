@@ -96,6 +96,7 @@ class SimGPU(GPU):
         self.uuid = f"GPU-5e1a7ed0-{index:04d}-4000-8000-{zlib.crc32(model.name.encode()):012d}"
         self.allow_control = allow_control
         self.on_change: Callable[[SimGPU], None] | None = None
+        self.changed_setting: str | None = None  # the setting of the latest change
         self.on_read: Callable[[SimGPU], None] | None = None
         self._lock = fork_safe_lock(self, factory=threading.RLock)
         self._t_created = clock.now()
@@ -206,7 +207,8 @@ class SimGPU(GPU):
         if self.on_read is not None:
             self.on_read(self)
 
-    def _changed(self) -> None:
+    def _changed(self, setting: str) -> None:
+        self.changed_setting = setting  # (what the state file must record: set, even to its value)
         if self.on_change is not None:
             self.on_change(self)
 
@@ -321,7 +323,7 @@ class SimGPU(GPU):
         with self._lock:
             self._read()
             self._new_epoch(limit_w=float(watts))
-            self._changed()
+            self._changed("power_limit_w")
 
     # -- clocks -----------------------------------------------------------------------------
     def sm_clock_mhz(self) -> float:
@@ -359,7 +361,7 @@ class SimGPU(GPU):
             self._read()
             self._sm_lock = (float(min_mhz), float(max_mhz))
             self._new_epoch(sm_cap_mhz=float(max_mhz))
-            self._changed()
+            self._changed("sm_clock_lock_mhz")
 
     def reset_sm_clock(self) -> None:
         self._check_sm_lock()
@@ -368,7 +370,7 @@ class SimGPU(GPU):
             self._read()
             self._sm_lock = None
             self._new_epoch(sm_cap_mhz=self.model.max_sm_mhz)
-            self._changed()
+            self._changed("sm_clock_lock_mhz")
 
     def _check_memory_lock(self) -> None:
         if self.model.arch in ("kepler", "maxwell", "pascal", "volta", "turing"):  # NVML: "Ampere or newer"

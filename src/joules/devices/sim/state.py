@@ -98,7 +98,8 @@ class SimStateFile:
             entry = dict(old) if old is not None and old.get("uuid") == gpu.uuid else {}
             entry.update(uuid=gpu.uuid, name=gpu.name)
             for key, value in now.items():
-                if key not in entry or value != known.get(key):
+                # (a setting this GPU just set is its, even where it set the value it last saw)
+                if key not in entry or value != known.get(key) or key == gpu.changed_setting:
                     entry[key] = value
             known.update((k, entry[k]) for k in now)
             # What another process changed since this one last looked is this GPU's setting too
