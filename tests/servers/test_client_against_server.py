@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -345,10 +346,17 @@ from joules.monitoring.monitor import EnergyMonitor
 from joules.optimizers.batch_size.client import BatchSizeOptimizer
 
 url, name, signum, state, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+mode = sys.argv[6]
 sim = Simulator("A100", state_file=state)
 sim.set_workload(Constant(1.0), cpus=False)
 monitor = EnergyMonitor(devices=sim.devices())
+if mode == "guard":  # a restore guard's handlers first (an asynchronous pipeline controller's do)
+    from joules.devices.restore import RestoreGuard
+    RestoreGuard(sim.gpus).install_signal_handlers()
 for job in range(jobs):  # (a sweep: one client after the other in one process)
+    if mode == "reset":  # a trainer that puts the handlers it found back at its end (Lightning)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     spec = {"name": f"{name}/{job}", "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
             "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
     with BatchSizeOptimizer(monitor, url, spec, token="test-token",
@@ -366,15 +374,20 @@ for job in range(jobs):  # (a sweep: one client after the other in one process)
 """
 
 
-@pytest.mark.parametrize(("signum", "jobs"), [(15, 1), (1, 1), (15, 2)])  # SIGTERM, SIGHUP; a sweep
-def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, jobs: int, tmp_path: Path):
+@pytest.mark.parametrize(("signum", "jobs", "mode"), [
+    (15, 1, "plain"), (1, 1, "plain"),  # SIGTERM (scancel, an eviction), SIGHUP (a closed terminal)
+    (15, 2, "plain"),  # a sweep: the second client took the first's handler for the program's
+    (1, 2, "reset"),  # the handlers put back between the jobs: not installed again
+    (15, 1, "guard"),  # a restore guard's handler first: taken for the program's
+])
+def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, jobs: int, mode: str,
+                                                    tmp_path: Path):
     """The process died of the signal outside the with block: its trial stayed running for a
-    day (its batch size in flight for the policy); the power limit was put back. In a sweep, the
-    second client's trial stayed running (it took the first client's handler for the program's)."""
+    day (its batch size in flight for the policy); the power limit was put back."""
     state = tmp_path / "sim.json"
-    name = f"sim/signal-{signum}-{jobs}"
-    r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state), str(jobs)],
-                       capture_output=True, text=True, timeout=120)
+    name = f"sim/signal-{signum}-{jobs}-{mode}"
+    r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state), str(jobs),
+                        mode], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signum, r.stderr
     assert float(r.stdout.split()[-1]) < 400.0  # stopped while profiling a lower limit
     for k in range(jobs):
@@ -410,6 +423,16 @@ with BatchSizeOptimizer(EnergyMonitor(devices=sim.devices()), url, spec, token="
     os.kill(pid, signal.SIGTERM)
     print("helper", os.waitpid(pid, 0)[1], flush=True)
     print("stop", bso.on_evaluate(1.0), flush=True)
+pid = os.fork()  # a worker forked after the parent's trial, that runs a trial of its own, stopped
+if pid == 0:
+    with BatchSizeOptimizer(EnergyMonitor(devices=sim.devices()), url, {**spec, "name": name + "/worker"},
+                            token="test-token", power_limit=False) as bso:
+        bso.get_batch_size()
+        bso.on_train_begin()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    os._exit(3)
+print("worker", os.waitpid(pid, 0)[1], flush=True)
 """
 
 
@@ -425,3 +448,8 @@ def test_a_forked_helper_stopped_by_sigterm_leaves_the_parents_trial_alone(serve
                      timeout=10.0).json()
     [trial] = get(server, f"/jobs/{job['job_id']}/trials")
     assert (trial["status"], trial["outcome"]) == ("ended", "reached")
+    assert f"worker {int(signal.SIGTERM)}" in r.stdout  # died of the signal (it recursed into its handler)
+    job = httpx.post(f"{server}/jobs", json=job_spec(name + "/worker"),
+                     headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10.0).json()
+    [trial] = get(server, f"/jobs/{job['job_id']}/trials")
+    assert (trial["status"], trial["outcome"]) == ("ended", "aborted")

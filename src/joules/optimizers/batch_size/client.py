@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from joules.devices.restore import RestoreGuard
 from joules.errors import JoulesError, NotSupportedError
 from joules.monitoring.monitor import EnergyMonitor
 from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
@@ -68,53 +69,83 @@ from joules.servers.batch_size.settings import TOKEN_ENV
 log = logging.getLogger("joules.batch_size")
 _MAX_TIMEOUT_S = 86400.0  # a day
 _END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-# The clients of this process whose trial trains, and the handlers _on_end_signal took over.
+# The clients whose trial trains (each in the process that started it), and the handlers
+# _on_end_signal took over.
 _TRAINING: weakref.WeakSet[BatchSizeOptimizer] = weakref.WeakSet()
 _PREVIOUS: dict[int, Any] = {}
-_INSTALLED_BY: list[int] = []  # the process that installed them (a forked child is not it)
+_ENDING: list[int] = []  # the signal being handled (a second one waits for it)
 
 
 def _install_end_signal_handlers() -> None:
-    """Install :func:`_on_end_signal` for SIGTERM and SIGHUP, once per process (main thread only).
+    """Install :func:`_on_end_signal` for SIGTERM and SIGHUP where it is not (main thread only).
 
-    It stays installed, doing nothing but pass the signal on while no trial trains: taking it
-    out again would break the chain of handlers installed on top of it since (a restore
-    guard's, say), which would then call it anyway.
+    Called as each trial starts. Once installed it stays, passing the signal on while no trial
+    trains: taking it out again would break the chain of handlers installed on top of it since
+    (a restore guard's, say), which would then call it anyway. A program that put its own
+    handler back since (Lightning does at the end of ``fit``) gets it taken over again.
     """
-    if _INSTALLED_BY == [os.getpid()] or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return
-    _INSTALLED_BY[:] = [os.getpid()]
-    _PREVIOUS.clear()
     for signum in _END_SIGNALS:
         try:
             previous = signal.getsignal(signum)
-            if previous == signal.SIG_IGN:
-                continue  # (under nohup a hang-up ends nothing)
+            if previous is _on_end_signal or previous == signal.SIG_IGN:
+                continue  # (installed already; under nohup a hang-up ends nothing)
             signal.signal(signum, _on_end_signal)
         except (ValueError, OSError):
             continue
         _PREVIOUS[signum] = previous
 
 
-def _on_end_signal(signum: int, frame: Any) -> None:
-    """End the trials training in this process as aborted, where the signal ends the process.
+def _ends_the_process(handler: Any, signum: int, depth: int = 0) -> bool:
+    """Whether ``handler`` ends the process on ``signum``.
 
-    Only where the handler it took over is the default (the process then ends of the signal,
-    as it would have): a program's own handler is called instead, and decides (an exception
-    out of the ``with`` block aborts the trial as usual). In a forked child, the parent's
-    trials are not the child's to end.
+    The default does, and so does a restore guard's, which puts the GPUs back and passes the
+    signal on, where what it passes it on to does. A program's own handler decides for itself:
+    not known.
     """
+    if handler in (signal.SIG_DFL, None):
+        return True
+    owner = getattr(handler, "__self__", None)
+    if depth < 16 and isinstance(owner, RestoreGuard) and handler.__name__ == "_handle_signal":
+        return _ends_the_process(owner._prev_handlers.get(signum, signal.SIG_DFL), signum, depth + 1)
+    return False
+
+
+def _on_end_signal(signum: int, frame: Any) -> None:
+    """End this process's training trials as aborted where the signal ends the process, and pass it on.
+
+    Where the handler it took over ends the process (the default, or a restore guard's that
+    passes it on to the default), the trials are ended first, with the signals held back
+    meanwhile (a second SIGTERM, or Ctrl-C, would cut the request short). A program's own
+    handler is called instead, and decides (an exception out of the ``with`` block aborts
+    the trial as usual). A forked child's copies of its parent's clients are not its own.
+    """
+    if _ENDING:  # (held back, it comes once the first is handled: never here but by a race)
+        return
     previous = _PREVIOUS.get(signum, signal.SIG_DFL)
+    if previous == signal.SIG_IGN:
+        return
+    mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
+    if mine and _ends_the_process(previous, signum):
+        _ENDING.append(signum)
+        try:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_END_SIGNALS})
+        except (AttributeError, OSError, ValueError):  # (no pthread_sigmask: not held back)
+            blocked = None
+        try:
+            for client in mine:
+                client._abort_at_exit(signum)
+        finally:
+            _ENDING.clear()
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if callable(previous):
         previous(signum, frame)
         return
-    if previous == signal.SIG_IGN:
-        return
-    if _INSTALLED_BY == [os.getpid()]:
-        for client in list(_TRAINING):
-            client._abort_at_exit(signum)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
 
 _WINDOW = "joules.batch_size"
 # Retried: a request timeout (a proxy's), too early, too many requests, and server errors but
@@ -294,6 +325,7 @@ class BatchSizeOptimizer:
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=self.timeout_s,
                                   transport=transport)
         self._transport = transport
+        self._trial_pid = 0  # the process whose trial this client trains (a forked child is not it)
         self._sleep: Callable[[float], None] = time.sleep
 
         self.job: JobOut | None = None
@@ -554,6 +586,7 @@ class BatchSizeOptimizer:
         expired (a day by default), its batch size in flight for the policy. See
         :func:`_on_end_signal`.
         """
+        self._trial_pid = os.getpid()
         _TRAINING.add(self)
         _install_end_signal_handlers()
 
@@ -565,11 +598,14 @@ class BatchSizeOptimizer:
         trial = self.trial
         if trial is None or self._ended:
             return
-        self._ended = True
+        # (pending until it is sent: should the process live on, abort() sends it again)
+        self._ended, self._end_pending = True, "aborted"
         try:  # (the signal may have interrupted a request on the client's own connection)
             with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=2.0,
                               transport=self._transport) as http:
-                http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+                r = http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+            if r.status_code < 500:
+                self._end_pending = None
         except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
             log.warning("could not mark the trial aborted as signal %d ends the process: %s", signum, e)
 
