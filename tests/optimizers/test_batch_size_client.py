@@ -1003,3 +1003,30 @@ def test_a_server_that_does_not_know_failed_trials_gets_them_aborted():
         bso.on_train_begin()
         raise RuntimeError("CUDA out of memory")
     assert server.trials["t2"]["outcome"] == "aborted"
+
+
+def test_ending_the_trials_at_a_signal_takes_two_seconds_at_most(monkeypatch: pytest.MonkeyPatch):
+    """A server that accepts and never answers (or trickles a byte a second) delayed the
+    process's end by the timeout per client and per read: 40 s in one case."""
+    import signal
+    import time
+
+    from joules.optimizers.batch_size import client as client_module
+
+    server = FakeServer()
+    sim, monitor = make_sim()
+    clients = []
+    for _ in range(3):
+        bso, _ = make_client(monitor, server, power_limit=False)
+        bso.get_batch_size()
+        bso.on_train_begin()
+        clients.append(bso)
+    stuck: list[str] = []
+    monkeypatch.setattr(client_module.BatchSizeOptimizer, "_end_at_exit",
+                        lambda self, errors: (stuck.append(self.trial.trial_id), time.sleep(10)))
+    t0 = time.monotonic()
+    client_module._end_trials(signal.SIGTERM)
+    assert time.monotonic() - t0 < 3.0 and len(stuck) == 1  # given up on after 2 s, all together
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the handlers ignored meanwhile are back
+    for bso in clients:
+        bso.abort()

@@ -357,6 +357,11 @@ for job in range(jobs):  # (a sweep: one client after the other in one process)
     if mode == "reset":  # a trainer that puts the handlers it found back at its end (Lightning)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if mode == "wrap" and job == 1:  # the program's own clean-up, passing the signal on to the old handler
+        def clean_up(signum, frame, old=signal.getsignal(signum)):
+            print("cleaned up", flush=True)
+            old(signum, frame)
+        signal.signal(signum, clean_up)
     spec = {"name": f"{name}/{job}", "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
             "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
     with BatchSizeOptimizer(monitor, url, spec, token="test-token",
@@ -379,6 +384,7 @@ for job in range(jobs):  # (a sweep: one client after the other in one process)
     (15, 2, "plain"),  # a sweep: the second client took the first's handler for the program's
     (1, 2, "reset"),  # the handlers put back between the jobs: not installed again
     (15, 1, "guard"),  # a restore guard's handler first: taken for the program's
+    (15, 2, "wrap"),  # the program's handler wraps the client's, installed again on top: a loop
 ])
 def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, jobs: int, mode: str,
                                                     tmp_path: Path):
@@ -389,7 +395,8 @@ def test_a_job_stopped_by_a_signal_aborts_its_trial(server: str, signum: int, jo
     r = subprocess.run([sys.executable, "-c", _STOPPED_JOB, server, name, str(signum), str(state), str(jobs),
                         mode], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signum, r.stderr
-    assert float(r.stdout.split()[-1]) < 400.0  # stopped while profiling a lower limit
+    assert float(r.stdout.split("limit")[-1].split()[0]) < 400.0  # stopped while profiling a lower limit
+    assert r.stdout.count("cleaned up") == (1 if mode == "wrap" else 0)
     for k in range(jobs):
         job = httpx.post(f"{server}/jobs", json=job_spec(f"{name}/{k}"),
                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10.0).json()

@@ -30,6 +30,7 @@ The profiling is part of the trial, so its time and energy are part of the trial
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -73,7 +74,8 @@ _END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 # _on_end_signal took over.
 _TRAINING: weakref.WeakSet[BatchSizeOptimizer] = weakref.WeakSet()
 _PREVIOUS: dict[int, Any] = {}
-_ENDING: list[int] = []  # the signal being handled (a second one waits for it)
+_ENDING: list[int] = []  # signals being passed on to a program's handler (see _on_end_signal)
+_END_AT_EXIT_S = 2.0  # what ending the trials may add to the process's end, s
 
 
 def _install_end_signal_handlers() -> None:
@@ -116,35 +118,60 @@ def _on_end_signal(signum: int, frame: Any) -> None:
     """End this process's training trials as aborted where the signal ends the process, and pass it on.
 
     Where the handler it took over ends the process (the default, or a restore guard's that
-    passes it on to the default), the trials are ended first, with the signals held back
-    meanwhile (a second SIGTERM, or Ctrl-C, would cut the request short). A program's own
-    handler is called instead, and decides (an exception out of the ``with`` block aborts
-    the trial as usual). A forked child's copies of its parent's clients are not its own.
+    passes it on to the default), the trials are ended first (:func:`_end_trials`). A program's
+    own handler is called instead, and decides (an exception out of the ``with`` block aborts
+    the trial as usual); should it pass the signal back here (it wraps this handler, which was
+    installed again on top of it), the chain ends here, as the default. A forked child's
+    copies of its parent's clients are not its own.
     """
-    if _ENDING:  # (held back, it comes once the first is handled: never here but by a race)
-        return
     previous = _PREVIOUS.get(signum, signal.SIG_DFL)
     if previous == signal.SIG_IGN:
         return
-    mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
-    if mine and _ends_the_process(previous, signum):
+    if signum in _ENDING:  # back here through the program's handler: the end of the chain
+        previous = signal.SIG_DFL
+    if callable(previous) and not _ends_the_process(previous, signum):
         _ENDING.append(signum)
         try:
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_END_SIGNALS})
-        except (AttributeError, OSError, ValueError):  # (no pthread_sigmask: not held back)
-            blocked = None
-        try:
-            for client in mine:
-                client._abort_at_exit(signum)
+            previous(signum, frame)
         finally:
-            _ENDING.clear()
-            if blocked is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            _ENDING.remove(signum)
+        return
+    _end_trials(signum)
     if callable(previous):
         previous(signum, frame)
         return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _end_trials(signum: int) -> None:
+    """End this process's trials (aborted, or the end they were sending) before the process ends.
+
+    On a thread of its own, given 2 s in all (a server that does not answer delays the end no
+    longer), with every signal that would interrupt it ignored meanwhile (the process is
+    ending of ``signum`` anyway; a second SIGTERM or a Ctrl-C cut the request short).
+    """
+    mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
+    if not mine:
+        return
+    ignored = {}
+    for other in (signal.SIGINT, *_END_SIGNALS):
+        try:
+            ignored[other] = signal.signal(other, signal.SIG_IGN)
+        except (ValueError, OSError):
+            pass
+    errors: list[str] = []
+    try:
+        worker = threading.Thread(target=lambda: [c._end_at_exit(errors) for c in mine], daemon=True,
+                                  name="joules-bso-end")
+        worker.start()
+        worker.join(_END_AT_EXIT_S)
+    finally:
+        for other, handler in ignored.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(other, handler)
+    for e in errors:
+        log.warning("could not end the trial as signal %d ends the process: %s", signum, e)
 
 
 _WINDOW = "joules.batch_size"
@@ -593,21 +620,28 @@ class BatchSizeOptimizer:
     def _uninstall_signal_handlers(self) -> None:
         _TRAINING.discard(self)
 
-    def _abort_at_exit(self, signum: int) -> None:
-        """End the running trial as aborted: one short request, on a connection of its own."""
+    def _end_at_exit(self, errors: list[str]) -> None:
+        """Send the trial's end as the process ends: aborted, or the end it was sending.
+
+        One request, on a connection pool of its own: the signal may have interrupted a request
+        on the client's own, whose locks it holds. (A transport given to the client, but for a
+        test's mock, is not used: it may share that pool.)
+        """
         trial = self.trial
-        if trial is None or self._ended:
+        if trial is None or (self._ended and self._end_pending is None):
             return
+        status = self._end_pending if self._ended else "aborted"
         # (pending until it is sent: should the process live on, abort() sends it again)
-        self._ended, self._end_pending = True, "aborted"
-        try:  # (the signal may have interrupted a request on the client's own connection)
-            with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=2.0,
-                              transport=self._transport) as http:
-                r = http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+        self._ended, self._end_pending = True, status
+        mock = self._transport if isinstance(self._transport, httpx.MockTransport) else None
+        try:
+            with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=_END_AT_EXIT_S,
+                              transport=mock) as http:
+                r = http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": status})
             if r.status_code < 500:
                 self._end_pending = None
         except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
-            log.warning("could not mark the trial aborted as signal %d ends the process: %s", signum, e)
+            errors.append(f"trial {trial.trial_id}: {e}")
 
     def _window_name(self) -> str:
         return f"{_WINDOW}.{id(self)}"
@@ -669,7 +703,6 @@ class BatchSizeOptimizer:
             return
         self._ended = True
         self._end_pending = status
-        self._uninstall_signal_handlers()
         if self._window_open:
             try:
                 self.monitor.cancel_window(self._window_name())
@@ -713,6 +746,7 @@ class BatchSizeOptimizer:
         self._end_pending = None
         self._unsent = []
         self.trial = out
+        self._uninstall_signal_handlers()  # (until the end is sent, a signal sends it)
         if out.outcome is not None:
             log.info("job %r trial %s ended: %s after %d epoch(s), %.4g s, %.4g J, cost %.4g",
                      self.spec.name, out.trial_id, out.outcome, out.epochs, out.time_s, out.energy_j,
