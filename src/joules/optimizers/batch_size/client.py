@@ -74,17 +74,19 @@ _END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 # _on_end_signal took over.
 _TRAINING: weakref.WeakSet[BatchSizeOptimizer] = weakref.WeakSet()
 _PREVIOUS: dict[int, Any] = {}
-_ENDING: list[int] = []  # signals being passed on to a program's handler (see _on_end_signal)
+_PASSED: dict[int, Any] = {}  # the frame each signal was passed on with, while a program's handler runs
 _END_AT_EXIT_S = 2.0  # what ending the trials may add to the process's end, s
+_QUIET_LOGGERS = ("httpx", "httpcore")  # (their records could wait on a lock the interrupted thread holds)
 
 
 def _install_end_signal_handlers() -> None:
-    """Install :func:`_on_end_signal` for SIGTERM and SIGHUP where it is not (main thread only).
+    """Install :func:`_on_end_signal` for SIGTERM and SIGHUP (main thread only), as each trial starts.
 
-    Called as each trial starts. Once installed it stays, passing the signal on while no trial
-    trains: taking it out again would break the chain of handlers installed on top of it since
-    (a restore guard's, say), which would then call it anyway. A program that put its own
-    handler back since (Lightning does at the end of ``fit``) gets it taken over again.
+    Where the handler is the default: first, and again where a program set the default back
+    (Lightning does at the end of ``fit``). Once installed it stays, passing the signal on while
+    no trial trains: taking it out would break the chain of handlers installed on top of it
+    since (a restore guard's), which would call it anyway. Where a program installed a handler
+    of its own over it, it is left alone: that handler may pass the signal on to it.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -93,50 +95,65 @@ def _install_end_signal_handlers() -> None:
             previous = signal.getsignal(signum)
             if previous is _on_end_signal or previous == signal.SIG_IGN:
                 continue  # (installed already; under nohup a hang-up ends nothing)
+            if signum in _PREVIOUS and previous not in (signal.SIG_DFL, None):
+                continue  # (a handler over it, which may pass the signal on to it)
             signal.signal(signum, _on_end_signal)
         except (ValueError, OSError):
             continue
         _PREVIOUS[signum] = previous
 
 
-def _ends_the_process(handler: Any, signum: int, depth: int = 0) -> bool:
-    """Whether ``handler`` ends the process on ``signum``.
+def _guards_on_the_way(handler: Any, signum: int) -> tuple[list[RestoreGuard], bool]:
+    """The restore guards ``handler`` passes the signal through, and whether it then ends the process.
 
-    The default does, and so does a restore guard's, which puts the GPUs back and passes the
-    signal on, where what it passes it on to does. A program's own handler decides for itself:
-    not known.
+    The default ends it; a restore guard's handler puts the GPUs back and passes the signal on,
+    so it ends it where what it passes it on to does. A program's own handler decides for
+    itself: not known.
     """
-    if handler in (signal.SIG_DFL, None):
-        return True
-    owner = getattr(handler, "__self__", None)
-    if depth < 16 and isinstance(owner, RestoreGuard) and handler.__name__ == "_handle_signal":
-        return _ends_the_process(owner._prev_handlers.get(signum, signal.SIG_DFL), signum, depth + 1)
-    return False
+    guards: list[RestoreGuard] = []
+    for _ in range(16):
+        if handler in (signal.SIG_DFL, None):
+            return guards, True
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, RestoreGuard) and handler.__name__ == "_handle_signal"):
+            return guards, False
+        guards.append(owner)
+        handler = owner._prev_handlers.get(signum, signal.SIG_DFL)
+    return guards, False
 
 
 def _on_end_signal(signum: int, frame: Any) -> None:
     """End this process's training trials as aborted where the signal ends the process, and pass it on.
 
     Where the handler it took over ends the process (the default, or a restore guard's that
-    passes it on to the default), the trials are ended first (:func:`_end_trials`). A program's
-    own handler is called instead, and decides (an exception out of the ``with`` block aborts
-    the trial as usual); should it pass the signal back here (it wraps this handler, which was
-    installed again on top of it), the chain ends here, as the default. A forked child's
-    copies of its parent's clients are not its own.
+    passes it on to the default), the GPUs are put back first (the trials' power-limit
+    searches and those guards: a stop with a short grace period kills the process soon), then
+    the trials are ended (:func:`_end_trials`). A program's own handler is called instead, and
+    decides (an exception out of the ``with`` block aborts the trial as usual); should it pass
+    the signal back here (it wraps this handler), the chain ends here, as the default. A
+    forked child's copies of its parent's clients are not its own.
     """
     previous = _PREVIOUS.get(signum, signal.SIG_DFL)
     if previous == signal.SIG_IGN:
         return
-    if signum in _ENDING:  # back here through the program's handler: the end of the chain
+    if frame is not None and _PASSED.get(signum) is frame:  # passed back by the program's handler:
+        # the end of the chain
         previous = signal.SIG_DFL
-    if callable(previous) and not _ends_the_process(previous, signum):
-        _ENDING.append(signum)
+    guards, ends = _guards_on_the_way(previous, signum)
+    if callable(previous) and not ends:  # (a second signal meanwhile comes here with another frame)
+        outer = _PASSED.get(signum)
+        _PASSED[signum] = frame
         try:
             previous(signum, frame)
         finally:
-            _ENDING.remove(signum)
+            _PASSED[signum] = outer
         return
-    _end_trials(signum)
+    mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
+    if mine:
+        for restorer in [*(c.power_limit_optimizer for c in mine if c.power_limit_optimizer), *guards]:
+            with contextlib.suppress(Exception):
+                restorer.restore()
+        _end_trials(signum, mine)
     if callable(previous):
         previous(signum, frame)
         return
@@ -144,34 +161,47 @@ def _on_end_signal(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
-def _end_trials(signum: int) -> None:
-    """End this process's trials (aborted, or the end they were sending) before the process ends.
+def _end_trials(signum: int, clients: list[BatchSizeOptimizer]) -> None:
+    """End ``clients``' trials as aborted before the process ends of ``signum``.
 
-    On a thread of its own, given 2 s in all (a server that does not answer delays the end no
-    longer), with every signal that would interrupt it ignored meanwhile (the process is
-    ending of ``signum`` anyway; a second SIGTERM or a Ctrl-C cut the request short).
+    One request each, all at once on threads of their own, given 2 s in all (a server that
+    does not answer delays the end no longer); meanwhile SIGINT, SIGTERM and SIGHUP are taken
+    by a handler that does nothing (a second SIGTERM or a Ctrl-C cut the requests short; the
+    process is ending anyway), and the HTTP libraries' loggers are quiet.
     """
-    mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
-    if not mine:
-        return
-    ignored = {}
+    previous_handlers = {}
     for other in (signal.SIGINT, *_END_SIGNALS):
-        try:
-            ignored[other] = signal.signal(other, signal.SIG_IGN)
-        except (ValueError, OSError):
-            pass
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            previous_handlers[other] = signal.signal(other, _ignore)
+    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _QUIET_LOGGERS]
+    quiet = [(logger, logger.disabled) for logger in map(logging.getLogger, {*_QUIET_LOGGERS, *names})]
+    for logger, _ in quiet:
+        logger.disabled = True
     errors: list[str] = []
     try:
-        worker = threading.Thread(target=lambda: [c._end_at_exit(errors) for c in mine], daemon=True,
-                                  name="joules-bso-end")
-        worker.start()
-        worker.join(_END_AT_EXIT_S)
+        workers = [threading.Thread(target=c._end_at_exit, args=(errors,), daemon=True, name="joules-bso-end")
+                   for c in clients]
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + _END_AT_EXIT_S
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+        late = sum(w.is_alive() for w in workers)
     finally:
-        for other, handler in ignored.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(other, handler)
+        for logger, disabled in quiet:
+            logger.disabled = disabled
+        for other, handler in previous_handlers.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(other, handler if handler is not None else signal.SIG_DFL)
+    if late:
+        errors.append(f"{late} trial(s) not ended within {_END_AT_EXIT_S:g} s (they expire after the "
+                      "job's stale_after_s)")
     for e in errors:
         log.warning("could not end the trial as signal %d ends the process: %s", signum, e)
+
+
+def _ignore(_signum: int, _frame: Any) -> None:
+    """A signal that comes while the trials are ended: the process is ending anyway."""
 
 
 _WINDOW = "joules.batch_size"
@@ -621,23 +651,24 @@ class BatchSizeOptimizer:
         _TRAINING.discard(self)
 
     def _end_at_exit(self, errors: list[str]) -> None:
-        """Send the trial's end as the process ends: aborted, or the end it was sending.
+        """End the trial as aborted as the process ends of a signal (on a thread of its own).
 
-        One request, on a connection pool of its own: the signal may have interrupted a request
-        on the client's own, whose locks it holds. (A transport given to the client, but for a
-        test's mock, is not used: it may share that pool.)
+        Aborted whatever end was being sent: a ``completed`` one would need its unsent epoch
+        reports first (without them, its outcome would be wrong), and ``failed`` is not known
+        to older servers. One request, on a connection pool of its own (the signal may have
+        interrupted a request holding the client's).
         """
         trial = self.trial
         if trial is None or (self._ended and self._end_pending is None):
             return
-        status = self._end_pending if self._ended else "aborted"
         # (pending until it is sent: should the process live on, abort() sends it again)
-        self._ended, self._end_pending = True, status
-        mock = self._transport if isinstance(self._transport, httpx.MockTransport) else None
+        self._ended, self._end_pending = True, "aborted"
         try:
             with httpx.Client(base_url=self.server_url, headers=self._http.headers, timeout=_END_AT_EXIT_S,
-                              transport=mock) as http:
-                r = http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": status})
+                              transport=self._transport) as http:
+                r = http.post(f"/jobs/{trial.job_id}/trials/{trial.trial_id}/end", json={"status": "aborted"})
+            if r.status_code >= 400:
+                errors.append(f"trial {trial.trial_id}: HTTP {r.status_code}")
             if r.status_code < 500:
                 self._end_pending = None
         except Exception as e:  # noqa: BLE001 - the process is ending: never stop that
