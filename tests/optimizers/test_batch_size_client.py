@@ -1030,3 +1030,38 @@ def test_ending_the_trials_at_a_signal_takes_two_seconds_at_most(monkeypatch: py
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the handlers ignored meanwhile are back
     for bso in clients:
         bso.abort()
+
+
+def test_a_second_signal_while_the_programs_handler_runs_goes_to_it_again():
+    """A second SIGTERM while the program's own handler saved a checkpoint was taken for that
+    handler passing the signal back: the trials were ended and the process killed mid-save."""
+    import signal
+
+    calls: list[int] = []
+
+    def saving(signum, frame):  # type: ignore[no-untyped-def]
+        calls.append(signum)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGTERM)  # a second one comes while it saves
+
+    from joules.optimizers.batch_size import client as client_module
+
+    client_module._PREVIOUS.clear()  # (as in a fresh process: the client's handler goes over the program's)
+    previous = signal.signal(signal.SIGTERM, saving)
+    try:
+        server = FakeServer()
+        sim, monitor = make_sim()
+        bso, _ = make_client(monitor, server, power_limit=False)
+        with bso:
+            bso.get_batch_size()
+            bso.on_train_begin()
+            assert signal.getsignal(signal.SIGTERM) is client_module._on_end_signal
+            signal.raise_signal(signal.SIGTERM)
+            assert calls == [signal.SIGTERM, signal.SIGTERM]  # the program's handler, twice: alive
+            assert server.trials["t1"]["status"] == "running"
+            sim.run(WORK_S, CF)
+            assert bso.on_evaluate(0.95) is True
+        assert server.trials["t1"]["outcome"] == "reached"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        client_module._PREVIOUS.pop(signal.SIGTERM, None)
