@@ -446,7 +446,17 @@ def test_zone_that_cannot_be_read_is_reported(tmp_path: Path) -> None:
         cpu.dram_energy_j()
 
 
-def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
+def unloaded(tmp_path: Path, fd: int) -> None:
+    """Make the open file ``fd`` fail every read, as after its driver was unloaded."""
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        os.dup2(directory, fd)
+    finally:
+        os.close(directory)
+
+
+def package_opening(tmp_path: Path) -> tuple[object, list[int]]:
+    """One package without DRAM, and the descriptors its zones' files were opened as."""
     fake = FakePowercap(tmp_path, packages=1, dram=False)
     opened: list[int] = []
 
@@ -455,12 +465,13 @@ def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
         return opened[-1]
 
     (cpu,), _ = discover(fake, opener=opener)
+    return cpu, opened
+
+
+def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
+    cpu, opened = package_opening(tmp_path)
     assert cpu.package_energy_j() >= 0.0
-    directory = os.open(tmp_path, os.O_RDONLY)
-    try:
-        os.dup2(directory, opened[0])  # the open file now fails to read (as after a driver unload)
-    finally:
-        os.close(directory)
+    unloaded(tmp_path, opened[0])
     (cpu.package.path / "energy_uj").rename(tmp_path / "gone")  # and no new file to open
     with pytest.raises(NotSupportedError, match=r"CPU 0: RAPL zone package-0 .* cannot be read any more"):
         cpu.package_energy_j()
@@ -469,22 +480,11 @@ def test_a_zone_that_stops_being_readable_says_which(tmp_path: Path) -> None:
 def test_a_zone_whose_driver_was_reloaded_is_opened_again(tmp_path: Path) -> None:
     """The driver unloaded and loaded again: the open file failed every read from then on, and
     every window (GPUs' too) with it, for the monitor's whole life. The new file is opened."""
-    fake = FakePowercap(tmp_path, packages=1, dram=False)
-    opened: list[int] = []
-
-    def opener(path: str, flags: int) -> int:
-        opened.append(os.open(path, flags))
-        return opened[-1]
-
-    (cpu,), _ = discover(fake, opener=opener)
+    cpu, opened = package_opening(tmp_path)
     energy = cpu.package.path / "energy_uj"
     energy.write_text("5000000\n")
     before = cpu.package_energy_j()
-    directory = os.open(tmp_path, os.O_RDONLY)
-    try:
-        os.dup2(directory, opened[0])  # the old file fails to read ...
-    finally:
-        os.close(directory)
+    unloaded(tmp_path, opened[0])  # the old file fails to read ...
     energy.unlink()
     energy.write_text("7000000\n")  # ... and the reloaded driver made a new one
     assert cpu.package_energy_j() - before == pytest.approx(2.0)
@@ -501,11 +501,8 @@ def test_a_psys_zone_that_stops_being_readable_leaves_the_package_read(tmp_path:
     (cpu,), _ = discover(fake)
     assert cpu.psys is not None
     before = cpu.package_energy_j()
-    directory = os.open(tmp_path, os.O_RDONLY)
-    try:
-        os.dup2(directory, cpu.psys._fd)  # the psys file now fails to read
-    finally:
-        os.close(directory)
+    unloaded(tmp_path, cpu.psys._fd)  # the psys file now fails to read, and cannot be opened again
+    (cpu.psys.path / "energy_uj").rename(tmp_path / "psys-gone")
     fake.add_energy(0, "package", 5.0)
     assert cpu.package_energy_j() == pytest.approx(before + 5.0)
 
@@ -612,10 +609,6 @@ def test_a_reloaded_zone_whose_new_file_is_root_only_says_so(tmp_path: Path) -> 
         return opened[-1]
 
     (cpu,), _ = discover(fake, opener=opener)
-    directory = os.open(tmp_path, os.O_RDONLY)
-    try:
-        os.dup2(directory, opened[0])
-    finally:
-        os.close(directory)
+    unloaded(tmp_path, opened[0])
     with pytest.raises(NotSupportedError, match="Permission denied"):
         cpu.package_energy_j()

@@ -168,13 +168,16 @@ def test_an_epoch_of_fewer_batches_than_a_cycle_is_one_step_and_is_measured(tmp_
     assert sim.gpus[0].power_limit_w() == PRESET_W
 
 
-def test_a_run_resumed_mid_epoch_foresees_the_short_last_cycle(tmp_path):
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_run_resumed_mid_epoch_foresees_the_short_last_cycle(tmp_path, replayed: bool):
     # 50 batches an epoch, k=3: 16 cycles and one of 2. Resumed from a checkpoint at step 20
     # (mid epoch 2), the callback counts that epoch's steps from the checkpoint's, so it
     # pauses before the short cycle; a pause within a step (the cycle seen short only at its
-    # end) would make the optimizer drop what it had measured and split its windows.
+    # end) would make the optimizer drop what it had measured and split its windows. With
+    # ``ignore_data_skip`` the Trainer replays that epoch from its first batch: its cycles (and
+    # every later epoch's) count from the start (they were counted from the checkpoint's step).
     args = {"gradient_accumulation_steps": 3, "eval_strategy": "no", "save_strategy": "steps",
-            "save_steps": 20, "num_train_epochs": 2}
+            "save_steps": 20, "num_train_epochs": 3 if replayed else 2, "ignore_data_skip": replayed}
     train = RandomData(800)
     sim, opt, _, trainer = setup(tmp_path, MLP(), args_kw={**args, "max_steps": 20}, dry_run=True)
     trainer.train_dataset = train
@@ -183,7 +186,7 @@ def test_a_run_resumed_mid_epoch_foresees_the_short_last_cycle(tmp_path):
                                  dry_run=True)
     trainer.train_dataset = train
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-20"))
-    assert trainer.state.global_step == 34
+    assert trainer.state.global_step == (51 if replayed else 34)
     assert not opt._split_steps and opt.points
 
 
@@ -341,20 +344,3 @@ def test_a_smaller_batch_size_after_running_out_of_memory_is_profiled_afresh(tmp
                                      key=lambda x: truth(x).energy_j)
     assert not any((tmp_path / "profiles").rglob("*.json"))  # not saved as the workload's
     assert sim.gpus[0].power_limit_w() == PRESET_W
-
-
-def test_a_resumed_run_that_replays_its_epoch_counts_its_cycles_from_the_start(tmp_path):
-    """With ``ignore_data_skip`` the Trainer replays a resumed epoch from its first batch: the
-    cycles were counted from the checkpoint's step, in that epoch and every later one, so full
-    cycles were taken for the short last one and the short one was seen only at its end."""
-    args = {"gradient_accumulation_steps": 3, "eval_strategy": "no", "save_strategy": "steps",
-            "save_steps": 20, "num_train_epochs": 3, "ignore_data_skip": True}
-    train = RandomData(800)
-    sim, opt, _, trainer = setup(tmp_path, MLP(), args_kw={**args, "max_steps": 20}, dry_run=True)
-    trainer.train_dataset = train
-    trainer.train()
-    sim, opt, _, trainer = setup(tmp_path, MLP(), args_kw=args, warmup_steps=1, profile_steps=3,
-                                 dry_run=True)
-    trainer.train_dataset = train
-    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-20"))
-    assert not opt._split_steps and opt.points
