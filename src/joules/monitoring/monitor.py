@@ -117,10 +117,6 @@ def _after_fork_in_child(monitor: EnergyMonitor) -> None:
     monitor._forked = True
 
 
-def _read(fn: Callable[[], float]) -> float:
-    return fn()
-
-
 def _read_leniently(fn: Callable[[], float]) -> float | None:
     """``fn()``, or ``None`` where the read fails."""
     try:
@@ -414,9 +410,13 @@ class EnergyMonitor:
                 half_width, power,
             ))
         t = now()
-        read = _read_leniently if lenient else _read
-        cpu = [read(c.package_energy_j) for c in self.cpus]
-        dram = [read(c.dram_energy_j) if d else None for c, d in zip(self.cpus, self._dram, strict=True)]
+        if lenient:
+            cpu = [_read_leniently(c.package_energy_j) for c in self.cpus]
+            dram = [_read_leniently(c.dram_energy_j) if d else None
+                    for c, d in zip(self.cpus, self._dram, strict=True)]
+        else:
+            cpu = [c.package_energy_j() for c in self.cpus]
+            dram = [c.dram_energy_j() if d else None for c, d in zip(self.cpus, self._dram, strict=True)]
         return _Edge(name, t, gpu_edges, cpu, dram)
 
     # -- windows ----------------------------------------------------------------------------
