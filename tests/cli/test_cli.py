@@ -672,6 +672,42 @@ def test_measure_reports_what_it_can_read_when_a_device_stays_unreadable(
         assert "not read at the end" in rows["DRAM 0"] and "sampled" in rows["GPU 0"]
 
 
+def test_measure_with_every_device_unreadable_at_the_end_says_nothing_was_measured(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every device left out by the partial end: an ordinary report of exactly 0 J, exit 0."""
+    import threading
+
+    from joules.devices.sim.cpu import SimCPU
+    from joules.errors import JoulesError
+
+    began: list[bool] = []
+
+    def failing(real):  # type: ignore[no-untyped-def]
+        def read(self):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is threading.main_thread():
+                if began:
+                    raise JoulesError("CPU 0 (sim): read failed")
+            return real(self)
+        return read
+
+    monkeypatch.setattr(SimCPU, "package_energy_j", failing(SimCPU.package_energy_j))
+    monkeypatch.setattr(SimCPU, "dram_energy_j", failing(SimCPU.dram_energy_j))
+    from joules.monitoring.monitor import EnergyMonitor
+
+    real_begin = EnergyMonitor.begin_window
+
+    def begin_window(self, name):  # type: ignore[no-untyped-def]
+        real_begin(self, name)
+        began.append(True)  # from now on every read of the package fails
+
+    monkeypatch.setattr(EnergyMonitor, "begin_window", begin_window)
+    assert main(["measure", "--json", "--sim", "XEON8480", "--", "sh", "-c", "exit 4"]) == 4
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "nothing was measured" in result["error"] and "total_energy_j" not in result
+    assert "nothing was measured" in err and "power samples" not in err
+
+
 def test_power_leaves_out_a_reading_that_fails_and_still_prints_totals(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """One failed reading ended `joules power` with exit code 2 and no totals."""

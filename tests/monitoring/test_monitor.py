@@ -1859,7 +1859,8 @@ def test_windows_ending_in_a_periodic_load_keep_their_error_within_the_bound(ste
     """``joules demo``'s epochs (training steps, then an evaluation whose load alternates every
     0.2 and 0.1 s): an end edge in a low phase extrapolated the high phase's reading, 15.5 J
     off, with a bound of 13.5 J. The readings' spread forgot each low phase (a forgetting average
-    of the extremes) before the next; it is now the range of the last second's readings."""
+    of the extremes) before the next; it is now the wider of that and the range of the last
+    second's readings."""
     sim, mon = setup("A100,nocpu", Constant(0.0), warm=0.0)
     gpu = sim.gpus[0]
     for epoch in range(5):

@@ -217,12 +217,15 @@ def end_measurement(monitor: EnergyMonitor, name: str, when: str) -> Measurement
     try:
         m = monitor.end_window(name, partial=True)
     except JoulesError as e:
-        print(f"joules: warning: the devices could not be read {when} ({e}): nothing was measured",
+        error = e
+        m = None
+    if m is None or (m.missing and not (m.gpu or m.cpu or m.dram)):  # (every device left out)
+        print(f"joules: warning: the devices could not be read {when} ({error}): nothing was measured",
               file=sys.stderr)
         return None
     left_out = f"; left out of the totals: {', '.join(m.missing)}" if m.missing else ""
-    print(f"joules: warning: a device could not be read {when} ({error}){left_out}; a GPU whose "
-          "energy counter failed is measured from its power samples", file=sys.stderr)
+    sampled = "; a GPU whose energy counter failed is measured from its power samples" if m.gpu else ""
+    print(f"joules: warning: a device could not be read {when} ({error}){left_out}{sampled}", file=sys.stderr)
     return m
 
 

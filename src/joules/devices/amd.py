@@ -254,10 +254,11 @@ class AMDGPU(GPU):
 
         RDNA GPUs' firmware accumulates energy in 32 bits, which the driver passes on as is:
         it wraps every 2**32 ticks (65.5 kJ, minutes at full power). A counter that was
-        never seen past 32 bits and goes back is taken to have wrapped, if the GPU could
-        have drawn the energy of that wrap since the previous reading (at twice its highest
-        power cap); else the counter was reset (a GPU reset, a driver reload; also a 64-bit
-        counter not yet past 32 bits), and the value goes back, as resets do. One seen past
+        never seen past 32 bits and goes back is taken to have wrapped, if a GPU could
+        have drawn the energy of that wrap since the previous reading (at 3 kW, twice the
+        highest power cap of any AMD GPU so far); else the counter was reset (a GPU reset, a
+        driver reload; also a 64-bit counter not yet past 32 bits), and the value goes back,
+        as resets do. One seen past
         32 bits is 64-bit, and never wraps in practice. Read at least once per wrap period
         (the sampler reads counters far more often) for no wrap to be missed.
         """

@@ -498,7 +498,7 @@ class RestoreGuard:
     Change GPUs through :meth:`set_power_limit_w` and :meth:`lock_sm_clock`. The first time
     a GPU is changed, its current power limit (the one it had before, which need not be
     the default) is remembered and written to a journal file before the device is changed;
-    an ``atexit`` hook and SIGINT/SIGTERM handlers are installed. :meth:`restore` (also on
+    an ``atexit`` hook and SIGINT/SIGTERM/SIGHUP handlers are installed. :meth:`restore` (also on
     leaving a ``with`` block, at exit and on those signals) puts every changed GPU back,
     removes the journal and uninstalls the hooks. After a signal, the handler that was
     installed before runs: Python's default SIGINT handler raises ``KeyboardInterrupt``, and
@@ -526,7 +526,7 @@ class RestoreGuard:
     Args:
         gpus: The GPUs this guard may change; stale journals are recovered for these.
         journal_dir: Where journals live (default: :func:`default_journal_dir`).
-        handle_signals: Restore on SIGINT and SIGTERM too (main thread only).
+        handle_signals: Restore on SIGINT, SIGTERM and SIGHUP too (main thread only).
         recover_stale: First put back what journals of processes that are gone record for
             these GPUs (see :func:`recover`); what was done is in :attr:`recovered`.
 
@@ -597,7 +597,7 @@ class RestoreGuard:
             return self._journal
 
     def install_signal_handlers(self) -> bool:
-        """Install the SIGINT/SIGTERM handlers now, before any change, and keep them.
+        """Install the SIGINT/SIGTERM/SIGHUP handlers now, before any change, and keep them.
 
         Call it from the main thread when the changes will be made from other threads (which
         cannot install signal handlers). The handlers then stay while nothing is changed
@@ -843,7 +843,7 @@ class RestoreGuard:
                 self._journal_warned = True
                 logger.warning(
                     "joules: cannot write the restore journal in %s (%s); GPUs are still restored "
-                    "on exit and on SIGINT/SIGTERM, but not after SIGKILL, and other processes "
+                    "on exit and on SIGINT/SIGTERM/SIGHUP, but not after SIGKILL, and other processes "
                     "that change these GPUs cannot see this one's changes (one may take a limit "
                     "set here for the GPU's own, and put it back). Set %s to a writable directory "
                     "to fix this.", self.journal_dir, e, STATE_ENV,

@@ -32,7 +32,7 @@ as at an epoch end, and warms up again afterwards. Logging does not pause it.
 Restoring the limits: the Trainer calls ``on_train_end`` (which restores the limits the GPUs
 had before) only when training finishes; when ``trainer.train()`` raises, no callback runs.
 Wrap it in ``with optimizer:`` to restore at once; without it, the optimizer's restore guard
-still restores when the exception ends the interpreter (``atexit``) and on SIGINT/SIGTERM,
+still restores when the exception ends the interpreter (``atexit``) and on SIGINT/SIGTERM/SIGHUP,
 but a caught exception (e.g. in a notebook) would leave the limit set until then.
 
 Every rank of a distributed job runs its own callback and optimizer; the optimizer agrees on

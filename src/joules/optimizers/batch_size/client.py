@@ -448,6 +448,7 @@ class BatchSizeOptimizer:
             trial = self._create_trial()
         self._use(trial)
         self._ended = False
+        self._install_signal_handlers()  # (a signal before training begins ends the trial too)
         log.info("job %r trial %s: batch size %d (%s%s)", self.spec.name, trial.trial_id, trial.batch_size,
                  trial.phase, "" if trial.stop_cost is None else f", stop cost {trial.stop_cost:.4g}")
         return trial.batch_size

@@ -19,7 +19,7 @@ made for another pipeline.
 
 Every lock goes through a :class:`~joules.devices.restore.RestoreGuard`, which resets the
 clock when the job ends (:meth:`FrequencyController.restore`, leaving the ``with`` block, an
-exception, interpreter exit, SIGINT/SIGTERM), and journals it first so that after a SIGKILL
+exception, interpreter exit, SIGINT/SIGTERM/SIGHUP), and journals it first so that after a SIGKILL
 the next guard or ``joules restore`` resets it. With ``asynchronous=True`` the locks are made
 by a background thread, which cannot install signal handlers: the controller has the guard
 install them when it is created (in the main thread) and keeps them until it is closed.
@@ -227,7 +227,7 @@ class FrequencyController:
             plan's order (by default they are looked up by ``(computation, microbatch)``, and
             counted in :attr:`stats`).
         journal_dir: Journal directory of the default guard (default: the guard's default).
-        handle_signals: Whether the default guard restores on SIGINT and SIGTERM too.
+        handle_signals: Whether the default guard restores on SIGINT, SIGTERM and SIGHUP too.
         recover_stale: Whether the default guard first resets what killed jobs left locked.
         keep_records: Keep at most this many :attr:`records` (the oldest are dropped).
         asynchronous: Lock clocks from a background thread, so that
@@ -238,7 +238,7 @@ class FrequencyController:
             :meth:`on_instruction_end`, :meth:`flush`), else by :meth:`close` or at the end of
             the ``with`` block, once the clock is reset (when the block raised, its exception
             goes on and this error is logged). :meth:`flush` waits until the clock wanted
-            is in place; :meth:`restore` stops the thread first. The guard's SIGINT/SIGTERM
+            is in place; :meth:`restore` stops the thread first. The guard's SIGINT/SIGTERM/SIGHUP
             handlers are installed when the controller is created (it must be created in the
             main thread for that), and kept until :meth:`close` or the end of the ``with``
             block.

@@ -9,7 +9,7 @@ plan (``on_instruction_begin`` / ``on_instruction_end``) and, on each rank:
 
 1. locks the stage's GPU to one clock (through a
    :class:`~joules.devices.restore.RestoreGuard`, so the clock is reset at the end, on an
-   exception, on SIGINT/SIGTERM and at exit, and after a SIGKILL by the next job or
+   exception, on SIGINT/SIGTERM/SIGHUP and at exit, and after a SIGKILL by the next job or
    ``joules restore``), from the highest down;
 2. measures every forward and backward at that clock as a window of the
    :class:`~joules.monitoring.monitor.EnergyMonitor` (so a monitor made with
@@ -144,7 +144,7 @@ class StageProfiler:
             measurement path (see :meth:`measured`); :meth:`profile` refuses, as every sample
             ran at the same clock.
         journal_dir: Journal directory of the default guard.
-        handle_signals: Whether the default guard restores on SIGINT and SIGTERM too.
+        handle_signals: Whether the default guard restores on SIGINT, SIGTERM and SIGHUP too.
         recover_stale: Whether the default guard first resets what killed jobs left locked.
 
     Raises:

@@ -144,7 +144,7 @@ class PowerLimitOptimizer:
         dry_run: Never change a GPU: run the whole schedule (and log the limits it would set)
             at the current limit, e.g. to check the integration on a shared machine. The
             choice then only reflects noise.
-        handle_signals: Restore limits on SIGINT and SIGTERM too (main thread only).
+        handle_signals: Restore limits on SIGINT, SIGTERM and SIGHUP too (main thread only).
         guard: The :class:`RestoreGuard` that records and restores every change (default: a
             new one over the controlled GPUs, journaled in the default state directory).
 
