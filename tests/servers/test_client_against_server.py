@@ -460,3 +460,48 @@ def test_a_forked_helper_stopped_by_sigterm_leaves_the_parents_trial_alone(serve
                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10.0).json()
     [trial] = get(server, f"/jobs/{job['job_id']}/trials")
     assert (trial["status"], trial["outcome"]) == ("ended", "aborted")
+
+
+_SIGNAL_IN_A_GUARD_OPERATION = """
+import signal, sys
+import joules.devices.restore as restore
+from joules.devices.sim import Constant, Simulator
+from joules.monitoring.monitor import EnergyMonitor
+from joules.optimizers.batch_size.client import BatchSizeOptimizer
+
+url, name, state = sys.argv[1], sys.argv[2], sys.argv[3]
+sim = Simulator("A100", state_file=state)
+sim.set_workload(Constant(1.0), cpus=False)
+spec = {"name": name, "batch_sizes": [16, 32, 64, 128, 256], "default_batch_size": 128,
+        "target_metric": 1.0, "max_epochs": 7, "max_power_w": 400.0, "eta": 0.5, "beta": 2.0, "seed": 1}
+write = restore._write_json_atomic
+
+def stopped_while_writing(path, data):  # the scheduler stops the job while the guard journals
+    restore._write_json_atomic = write
+    signal.raise_signal(signal.SIGTERM)
+    return write(path, data)
+
+restore._write_json_atomic = stopped_while_writing
+with BatchSizeOptimizer(EnergyMonitor(devices=sim.devices()), url, spec, token="test-token",
+                        power_limit={"warmup_steps": 2, "profile_steps": 5}) as bso:
+    bso.get_batch_size()
+    for step in range(100000):
+        bso.on_step_begin()
+        sim.run(0.1, 0.8)
+        bso.on_step_end()
+"""
+
+
+def test_a_signal_during_a_restore_guards_operation_is_handled_once_it_is_over(server: str, tmp_path: Path):
+    """The client's handler put the GPUs back at once, waiting on the journal directory's lock
+    that the interrupted guard held: the process hung until SIGKILL, the GPU lowered."""
+    state = tmp_path / "sim.json"
+    name = "sim/signal-in-guard"
+    r = subprocess.run([sys.executable, "-c", _SIGNAL_IN_A_GUARD_OPERATION, server, name, str(state)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGTERM, r.stderr
+    job = httpx.post(f"{server}/jobs", json=job_spec(name), headers={"Authorization": f"Bearer {TOKEN}"},
+                     timeout=10.0).json()
+    [trial] = get(server, f"/jobs/{job['job_id']}/trials")
+    assert (trial["status"], trial["outcome"]) == ("ended", "aborted")
+    assert json.loads(state.read_text())["gpus"]["0"]["power_limit_w"] == 400.0

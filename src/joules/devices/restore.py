@@ -220,6 +220,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def restore_busy() -> bool:
+    """Whether a restore guard's operation is under way in this thread (signals to guards wait for it)."""
+    return getattr(_busy, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def _holding_signals() -> Iterator[None]:
     """Hold back signals to guards that arrive in this thread until the outermost such block ends.

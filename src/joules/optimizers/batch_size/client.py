@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from joules.devices.restore import RestoreGuard
+from joules.devices.restore import RestoreGuard, restore_busy
 from joules.errors import JoulesError, NotSupportedError
 from joules.monitoring.monitor import EnergyMonitor
 from joules.optimizers.power_limit.optimizer import PowerLimitOptimizer
@@ -75,6 +75,8 @@ _END_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 _TRAINING: weakref.WeakSet[BatchSizeOptimizer] = weakref.WeakSet()
 _PREVIOUS: dict[int, Any] = {}
 _PASSED: dict[int, Any] = {}  # the frame each signal was passed on with, while a program's handler runs
+_DEPTH: dict[int, int] = {}  # how deep in the program's handlers each signal is
+_MAX_DEPTH = 3  # (a handler that passes the signal back with a frame of its own ends the chain here)
 _END_AT_EXIT_S = 2.0  # what ending the trials may add to the process's end, s
 _QUIET_LOGGERS = ("httpx", "httpcore")  # (their records could wait on a lock the interrupted thread holds)
 
@@ -129,26 +131,37 @@ def _on_end_signal(signum: int, frame: Any) -> None:
     passes it on to the default), the GPUs are put back first (the trials' power-limit
     searches and those guards: a stop with a short grace period kills the process soon), then
     the trials are ended (:func:`_end_trials`). A program's own handler is called instead, and
-    decides (an exception out of the ``with`` block aborts the trial as usual); should it pass
-    the signal back here (it wraps this handler), the chain ends here, as the default. A
-    forked child's copies of its parent's clients are not its own.
+    decides (an exception out of the ``with`` block aborts the trial as usual). Should that
+    handler pass the signal back here (it wraps this handler: it is installed over it, or is
+    called with the frame it was given, or none), the chain ends here, as the default. While a
+    restore guard's operation is under way in this thread (it holds the journal directory's
+    lock), the signal is handled once it is over. A forked child's copies of its parent's
+    clients are not its own.
     """
     previous = _PREVIOUS.get(signum, signal.SIG_DFL)
     if previous == signal.SIG_IGN:
         return
-    if frame is not None and _PASSED.get(signum) is frame:  # passed back by the program's handler:
-        # the end of the chain
+    depth = _DEPTH.get(signum, 0)
+    passed_back = (
+        (callable(previous) and signal.getsignal(signum) is previous)  # called by it, on top of this one
+        or (depth > 0 and (frame is None or _PASSED.get(signum) is frame))
+        or depth >= _MAX_DEPTH
+    )
+    if passed_back:  # the end of the chain
         previous = signal.SIG_DFL
     guards, ends = _guards_on_the_way(previous, signum)
     if callable(previous) and not ends:  # (a second signal meanwhile comes here with another frame)
         outer = _PASSED.get(signum)
-        _PASSED[signum] = frame
+        _PASSED[signum], _DEPTH[signum] = frame, depth + 1
         try:
             previous(signum, frame)
         finally:
-            _PASSED[signum] = outer
+            _PASSED[signum], _DEPTH[signum] = outer, depth
         return
     mine = [c for c in list(_TRAINING) if c._trial_pid == os.getpid()]
+    if mine and restore_busy():  # (putting the GPUs back now would wait on this thread's own lock)
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()  # again, once it is over
+        return
     if mine:
         for restorer in [*(c.power_limit_optimizer for c in mine if c.power_limit_optimizer), *guards]:
             with contextlib.suppress(Exception):
