@@ -952,7 +952,10 @@ def test_a_programs_own_sigterm_handler_is_kept_after_a_trial_with_the_power_lim
     shutdown) was never called again, and SIGTERM killed the process."""
     import signal
 
+    from joules.optimizers.batch_size import client as client_module
+
     got: list[int] = []
+    client_module._PREVIOUS.clear()  # (as in a fresh process: the client's handler goes over the program's)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
         server = FakeServer()
@@ -960,6 +963,7 @@ def test_a_programs_own_sigterm_handler_is_kept_after_a_trial_with_the_power_lim
         bso, _ = make_client(monitor, server, power_limit={**FAST_PL, "handle_signals": True})
         with bso:
             bso.get_batch_size()
+            assert signal.getsignal(signal.SIGTERM) is client_module._on_end_signal
             bso.on_train_begin()
             for _ in range(3):
                 bso.on_step_begin()
@@ -973,6 +977,7 @@ def test_a_programs_own_sigterm_handler_is_kept_after_a_trial_with_the_power_lim
         assert server.trials["t1"]["outcome"] != "aborted"
     finally:
         signal.signal(signal.SIGTERM, previous)
+        client_module._PREVIOUS.pop(signal.SIGTERM, None)
 
 
 class ServerBeforeFailed(FakeServer):

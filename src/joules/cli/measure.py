@@ -31,7 +31,7 @@ def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict
 
     def zone(values: dict[int, float], kind: str) -> dict[str, float] | None:
         """``None`` where no device of the kind is measured (``{}``: all of them left out)."""
-        measured = values or any(x.rstrip("0123456789") == kind for x in m.missing)
+        measured = values or any(_kind(x) == kind for x in m.missing)
         return {str(k): v for k, v in values.items()} if measured else None
 
     return {
@@ -49,6 +49,11 @@ def measurement_json(command: list[str], exit_code: int, m: Measurement) -> dict
 
 
 _LABELS = {"gpu": "GPU", "cpu": "CPU", "dram": "DRAM"}
+
+
+def _kind(missing: str) -> str:
+    """``gpu``, ``cpu`` or ``dram``: the kind of a device named in ``Measurement.missing``."""
+    return missing.rstrip("0123456789")
 _MAX_TITLE = 200  # characters of a command shown above its table
 
 
@@ -68,7 +73,7 @@ def measurement_table(m: Measurement, title: str) -> Table:
             t.add_row(f"{prefix} {k}", f"{d.energy_j:,.2f}", f"{d.uncertainty_j:,.2f}",
                       f"{power:,.1f}", source)
     for x in m.missing:  # left out of the total
-        kind = x.rstrip("0123456789")
+        kind = _kind(x)
         t.add_row(f"{_LABELS.get(kind, kind)} {x[len(kind):]}", "—", "—", "—", "not read at the end")
     t.add_section()
     t.add_row("total", f"{m.total_energy_j:,.2f}", f"{m.uncertainty_j:,.2f}",

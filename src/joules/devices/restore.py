@@ -363,6 +363,40 @@ class _PutBack:
     power_done: bool = False
 
 
+def _lock_for_the_latest(gpu: GPU, holders: list[_Holder], out: _PutBack) -> bool:
+    """Hand ``gpu``'s clock to the guard of this process that locked it last; whether one did.
+
+    Guards of this process say which range they locked, and when: the clock goes back to the
+    latest one's (it was at the leaving guard's range), and every other one, which would take
+    the clock for its own range, locks again at its next change.
+    """
+    with _CLOCK_LOCK:
+        mine = [(h, e) for h in holders if h.sm_clock_locked and h.guard is not None
+                and (e := h.guard._entries.get(gpu.control_uuid)) is not None
+                and e.sm_clock_range is not None]
+        if not mine:
+            return False
+        holder, entry = max(mine, key=lambda he: he[1].sm_clock_seq)
+        for _, e in mine:
+            if e is not entry:
+                e.sm_clock_range = None
+        mhz = entry.sm_clock_range
+        assert mhz is not None
+        try:
+            gpu.lock_sm_clock(*mhz)
+        except Exception as e:  # noqa: BLE001 - reported
+            out.failed.append(f"could not lock the SM clock at {mhz[0]:g}-{mhz[1]:g} MHz "
+                              f"for {holder.who}: {e}")
+            entry.sm_clock_range = None  # (that guard locks it again at its next change)
+        else:
+            message = (f"SM clock locked at {mhz[0]:g}-{mhz[1]:g} MHz for {holder.who}, which "
+                       "locked it there and still runs")
+            out.done.append(message)
+            out.handed_over.append(message)
+        out.clock_done = True
+        return True
+
+
 def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
               original_power_limit_w: float | None) -> _PutBack:
     """Undo one guard's changes of ``gpu``; what another running guard still holds is left to it.
@@ -372,38 +406,9 @@ def _put_back(gpu: GPU, holders: list[_Holder], sm_clock_locked: bool,
     both by a guard restoring and by the recovery of a dead process's journal.
     """
     out = _PutBack()
-    if sm_clock_locked:
+    if sm_clock_locked and not _lock_for_the_latest(gpu, holders, out):
         other = next((h for h in holders if h.sm_clock_locked), None)
-        with _CLOCK_LOCK:
-            # Guards of this process say which range they locked, and when: the clock goes back
-            # to the latest one's (it was at this guard's range), and every other one, which
-            # would take the clock for its own range, locks again at its next change.
-            mine = [(h, e) for h in holders if h.sm_clock_locked and h.guard is not None
-                    and (e := h.guard._entries.get(gpu.control_uuid)) is not None
-                    and e.sm_clock_range is not None]
-            latest = max(mine, key=lambda he: he[1].sm_clock_seq, default=None)
-            for _, e in mine:
-                if latest is None or e is not latest[1]:
-                    e.sm_clock_range = None
-            if latest is not None:
-                other, entry = latest
-                mhz = entry.sm_clock_range
-                assert mhz is not None
-                try:
-                    gpu.lock_sm_clock(*mhz)
-                except Exception as e:  # noqa: BLE001 - reported
-                    out.failed.append(f"could not lock the SM clock at {mhz[0]:g}-{mhz[1]:g} MHz "
-                                      f"for {other.who}: {e}")
-                    entry.sm_clock_range = None  # (that guard locks it again at its next change)
-                else:
-                    message = (f"SM clock locked at {mhz[0]:g}-{mhz[1]:g} MHz for {other.who}, which "
-                               "locked it there and still runs")
-                    out.done.append(message)
-                    out.handed_over.append(message)
-                out.clock_done = True
-        if out.clock_done:
-            pass  # (locked again at a guard's range, or that failed and is said)
-        elif other is not None:  # another process's guard: its range is not known here
+        if other is not None:  # another process's guard: its range is not known here
             message = f"SM clock left locked for {other.who}, which locked it too and still runs"
             out.done.append(message)
             out.handed_over.append(message)

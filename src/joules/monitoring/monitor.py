@@ -746,13 +746,10 @@ class EnergyMonitor:
     def _gpu_energy(self, k: int, g: GPU, begin: _Edge, end: _Edge, elapsed: float) -> DeviceEnergy:
         """GPU ``k``'s energy over a window (raises where a read it needs fails)."""
         b, e = begin.gpu[k], end.gpu[k]
-        if e.unread:
-            # A lenient end edge could not read the counter: the sampler's power readings.
-            energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
-            source, corrected = Source.SAMPLED, False
-        elif self._counter[k] and e.resets != b.resets:
-            # The counter was reset inside the window (driver reload, GPU reset): its
-            # readings no longer compare. The sampler's power readings over the window.
+        if e.unread or (self._counter[k] and e.resets != b.resets):
+            # The counter could not be read at a lenient end edge, or was reset inside the
+            # window (driver reload, GPU reset: its readings no longer compare). The sampler's
+            # power readings over the window.
             energy, uncertainty = self._sampled_energy(k, g, b, e, elapsed)
             source, corrected = Source.SAMPLED, False
         elif self._counter[k] and e.counter == b.counter:

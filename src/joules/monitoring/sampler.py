@@ -453,9 +453,7 @@ class PowerSampler:
         if self.cpus and self.clock.now() >= self._cpu_next:
             self._cpu_next = self.clock.now() + self._cpu_period_s
             for cpu in self.cpus:
-                for read in (cpu.package_energy_j, cpu.dram_energy_j if cpu.has_dram() else None):
-                    if read is None:
-                        continue
+                for read in (cpu.package_energy_j, *([cpu.dram_energy_j] if cpu.has_dram() else [])):
                     try:  # (each zone on its own: a failing package read does not stop DRAM's)
                         read()
                     except Exception:  # noqa: BLE001
@@ -507,13 +505,18 @@ class PowerSampler:
             # The spread of the readings of the last few seconds, for uncertainty bounds (a
             # forgetting average of the extremes leaked: under a periodic load, each low phase
             # was forgotten by the next, and an edge's bound fell short of the swing).
-            for extremes, beaten in ((track.highs, lambda q: q <= p), (track.lows, lambda q: q >= p)):
-                while extremes and beaten(extremes[-1][1]):
-                    extremes.pop()
-                extremes.append((t, p))
-                while extremes[0][0] < t - self._spread_window_s:
-                    extremes.popleft()
-            track.recent_max, track.recent_min = track.highs[0][1], track.lows[0][1]
+            highs, lows, start = track.highs, track.lows, t - self._spread_window_s
+            while highs and highs[-1][1] <= p:
+                highs.pop()
+            while lows and lows[-1][1] >= p:
+                lows.pop()
+            highs.append((t, p))
+            lows.append((t, p))
+            while highs[0][0] < start:
+                highs.popleft()
+            while lows[0][0] < start:
+                lows.popleft()
+            track.recent_max, track.recent_min = highs[0][1], lows[0][1]
             # ... and, beside it, how the power swung over longer cycles (a forgetting average of
             # the extremes, decaying 2 % a reading): a load that alternates every few seconds
             # may swing again at the next edge, though the last second was steady.

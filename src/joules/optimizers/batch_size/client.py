@@ -461,7 +461,7 @@ class BatchSizeOptimizer:
             trial = self._create_trial()
         self._use(trial)
         self._ended = False
-        self._install_signal_handlers()  # (a signal before training begins ends the trial too)
+        self._watch_signals()  # (a signal before training begins ends the trial too)
         log.info("job %r trial %s: batch size %d (%s%s)", self.spec.name, trial.trial_id, trial.batch_size,
                  trial.phase, "" if trial.stop_cost is None else f", stop cost {trial.stop_cost:.4g}")
         return trial.batch_size
@@ -483,7 +483,6 @@ class BatchSizeOptimizer:
         self._began = True
         self.monitor.begin_window(self._window_name())
         self._window_open = True
-        self._install_signal_handlers()
         try:
             self.power_limit_optimizer = self._make_power_limit_optimizer(self.trial.batch_size)
             if self.power_limit_optimizer is not None:
@@ -649,7 +648,7 @@ class BatchSizeOptimizer:
             log.warning("could not mark the trial %s: %s", "failed" if failed else "aborted", e)
 
     # -- internals ------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> None:
+    def _watch_signals(self) -> None:
         """While a trial trains, SIGTERM and SIGHUP end it as aborted before the process ends.
 
         A scheduler's stop (SLURM's ``scancel``, a Kubernetes eviction) or a closed terminal
@@ -661,7 +660,7 @@ class BatchSizeOptimizer:
         _TRAINING.add(self)
         _install_end_signal_handlers()
 
-    def _uninstall_signal_handlers(self) -> None:
+    def _unwatch_signals(self) -> None:
         _TRAINING.discard(self)
 
     def _end_at_exit(self, errors: list[str]) -> None:
@@ -791,7 +790,7 @@ class BatchSizeOptimizer:
         self._end_pending = None
         self._unsent = []
         self.trial = out
-        self._uninstall_signal_handlers()  # (until the end is sent, a signal sends it)
+        self._unwatch_signals()  # (until the end is sent, a signal sends it)
         if out.outcome is not None:
             log.info("job %r trial %s ended: %s after %d epoch(s), %.4g s, %.4g J, cost %.4g",
                      self.spec.name, out.trial_id, out.outcome, out.epochs, out.time_s, out.energy_j,
